@@ -1,0 +1,132 @@
+"""Model shape: the one description of a model's architecture that the math reads.
+
+Legend used throughout moetier/model:
+    T = tokens in a step, S = cached positions, D = hidden size, V = vocab,
+    H = query heads, Hkv = key/value heads, hd = head dim,
+    E = routed experts, K = experts per token (top-k), I = expert intermediate size,
+    F = dense MLP intermediate size.
+
+`ModelArgs` is architecture-neutral: each source architecture's quirks are
+translated into these fields once, by its adapter in moetier/convert/adapters,
+and stored in the container manifest. The math never looks at `arch`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+AttentionKind = Literal["gqa", "mla"]
+QkNorm = Literal["none", "head", "full"]  # head: RMSNorm over hd per head; full: over H*hd (OLMoE)
+ScoringFunc = Literal["softmax", "sigmoid"]
+GroupScore = Literal["none", "max", "top2_sum"]  # DeepSeek-V2 group_limited_greedy / DeepSeek-V3
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    arch: str  # source model_type, informational only ("deepseek_v3", "mixtral", ...)
+    vocab_size: int  # V (may exceed the tokenizer's size: padded rows are never sampled in practice)
+    hidden_size: int  # D
+    num_layers: int  # L
+    num_heads: int  # H
+    num_kv_heads: int  # Hkv; MLA: equal to H
+    head_dim: int  # hd for GQA; MLA uses the fields below
+    attention: AttentionKind = "gqa"
+
+    # MLA (DeepSeek-V2/V3, GLM-5): K/V come from a compressed latent of kv_lora_rank floats
+    # plus one shared rope key of qk_rope_head_dim floats per token -- that is what the KV cache holds.
+    q_lora_rank: int | None = None  # None: one q projection (wq); else wq_a -> q_a_norm -> wq_b
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    qkv_bias: bool = False  # biases on q/k/v projections (Qwen2-MoE, GLM-4.5 attention_bias)
+    qk_norm: QkNorm = "none"
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection
+
+    rope_theta: float = 10000.0
+    rope_dim: int = 0  # rotary dims per head: hd * partial_rotary_factor (GQA), qk_rope_head_dim (MLA)
+    rope_interleave: bool = False  # True: pairs (x0,x1),(x2,x3)...; False: halves (rotate_half)
+    rope_scaling: dict[str, Any] | None = None  # HF rope_parameters when rope_type != "default" (yarn)
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+
+    # Feed-forward. moe_layers[i] says whether layer i is MoE (else a dense SwiGLU MLP of size F).
+    intermediate_size: int = 0  # F
+    moe_layers: tuple[bool, ...] = ()
+    n_routed_experts: int = 0  # E
+    num_experts_per_tok: int = 0  # K
+    moe_intermediate_size: int = 0  # I
+    shared_intermediate_size: int = 0  # shared-expert MLP size (0: none); n_shared * I for DeepSeek
+    shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x @ shared_gate)
+
+    # Router: scores = scoring_func(x @ router.T); choice = scores (+ router_bias);
+    # optional group-limited choice; weights = scores at the chosen ids,
+    # optionally renormalised, times routed_scaling_factor.
+    scoring_func: ScoringFunc = "softmax"
+    score_correction_bias: bool = False  # DeepSeek-V3 e_score_correction_bias (choice only, not weights)
+    group_score: GroupScore = "none"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)  # source fields kept for reference, never read by the math
+
+    def __post_init__(self) -> None:
+        if len(self.moe_layers) != self.num_layers:
+            raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+        if self.attention not in ("gqa", "mla"):
+            raise ValueError(f"unknown attention kind {self.attention!r}")
+        if self.num_heads % max(self.num_kv_heads, 1):
+            raise ValueError(f"num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}")
+        if any(self.moe_layers):
+            if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+                raise ValueError(f"top-k {self.num_experts_per_tok} invalid for {self.n_routed_experts} experts")
+            if self.group_score != "none" and self.n_routed_experts % self.n_group:
+                raise ValueError(f"{self.n_routed_experts} experts not divisible into {self.n_group} groups")
+
+    # ---- derived shapes -------------------------------------------------------------
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i, m in enumerate(self.moe_layers) if m]
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width: nope + rope for MLA, hd for GQA."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Floats cached per token per layer: MLA keeps the latent + rope key, GQA keeps K and V."""
+        if self.attention == "mla":
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up: [I, D]; down: [D, I])."""
+        return 3 * self.moe_intermediate_size * self.hidden_size
+
+    # ---- serialisation (container manifest) ----------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["moe_layers"] = list(self.moe_layers)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelArgs:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown ModelArgs fields: {sorted(unknown)}")
+        d = dict(d)
+        d["moe_layers"] = tuple(bool(x) for x in d.get("moe_layers", ()))
+        d["eos_token_ids"] = tuple(int(x) for x in d.get("eos_token_ids", ()))
+        return cls(**d)

@@ -1,0 +1,112 @@
+"""The numeric operations the forward pass is built from, and their plain reference.
+
+Every operation that reduces across features (matmul, norm, softmax, attention,
+expert combine) goes through an `Ops` object, so the same forward code runs on
+the plain numpy reference (`ReferenceOps`, the oracle) or on the fast kernels
+(moetier.kernels.FastOps, the engine). Elementwise work stays in plain numpy.
+
+Contract for every implementation:
+  * inputs and outputs are float32, C-contiguous;
+  * ROW-INVARIANT: row t of an output depends only on row t of the inputs (and,
+    for attention, the keys visible to it) -- never on how many other rows are in
+    the call or what they hold. The fast kernels guarantee this bit for bit,
+    which is what lets continuous batching and chunked prefill reproduce the
+    tokens of a request served alone. The reference only guarantees it to
+    floating-point tolerance (it uses BLAS).
+
+Shapes: T = rows, C = input features, R = output features, H/Hkv = heads,
+S = cached positions, dq = query/key width, dv = value width, K = top-k, D = hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from moetier.weights.quant import ExpertWeights, QTensor
+
+F32 = npt.NDArray[np.float32]
+
+
+class Ops(Protocol):
+    def linear(self, x: F32, w: QTensor, bias: F32 | None = None) -> F32:
+        """x [T, C] @ w[R, C].T (+ bias [R]) -> [T, R]."""
+        ...
+
+    def rmsnorm(self, x: F32, weight: F32, eps: float) -> F32:
+        """Row-wise x / sqrt(mean(x^2) + eps) * weight; x [T, C] -> [T, C]."""
+        ...
+
+    def softmax(self, x: F32) -> F32:
+        """Row-wise softmax over the last axis; x [T, N] -> [T, N]."""
+        ...
+
+    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float) -> F32:
+        """Causal attention of T query rows against one sequence's S cached positions.
+
+        q [T, H, dq], k [S, Hkv, dq], v [S, Hkv, dv], q_pos [T] absolute positions:
+        row t sees keys 0..q_pos[t]. Query head h uses key/value head h // (H // Hkv).
+        Returns [T, H, dv].
+        """
+        ...
+
+    def moe(self, x: F32, ids: npt.NDArray[np.int32], weights: F32, experts: Mapping[int, ExpertWeights]) -> F32:
+        """Routed experts of one layer: out[t] = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]).
+
+        x [T, D], ids/weights [T, K]; `experts` holds at least every id in `ids`.
+        The sum over k runs in k order (0..K-1). Returns [T, D].
+        """
+        ...
+
+
+def silu(x: F32) -> F32:
+    return (x / (1.0 + np.exp(-x))).astype(np.float32, copy=False)
+
+
+class ReferenceOps:
+    """Plain numpy: dequantize, then BLAS. The oracle every fast kernel is tested against."""
+
+    def linear(self, x: F32, w: QTensor, bias: F32 | None = None) -> F32:
+        y = x @ w.dequantize().T  # [T, R]
+        if bias is not None:
+            y = y + bias
+        return np.ascontiguousarray(y, dtype=np.float32)
+
+    def rmsnorm(self, x: F32, weight: F32, eps: float) -> F32:
+        var = np.mean(x * x, axis=-1, keepdims=True)
+        return (x / np.sqrt(var + eps) * weight).astype(np.float32)
+
+    def softmax(self, x: F32) -> F32:
+        z = np.exp(x - x.max(axis=-1, keepdims=True))
+        return (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float) -> F32:
+        t, h, _ = q.shape
+        s, hkv, dv = v.shape
+        rep = h // hkv
+        kk = np.repeat(k, rep, axis=1)  # [S, H, dq]
+        vv = np.repeat(v, rep, axis=1)  # [S, H, dv]
+        scores = np.einsum("thd,shd->hts", q, kk) * scale  # [H, T, S]
+        mask = np.arange(s)[None, :] > q_pos[:, None]  # [T, S]
+        scores = np.where(mask[None], -np.inf, scores)
+        p = self.softmax(scores.reshape(h * t, s).astype(np.float32)).reshape(h, t, s)
+        out = np.einsum("hts,shd->thd", p, vv)  # [T, H, dv]
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    def moe(self, x: F32, ids: npt.NDArray[np.int32], weights: F32, experts: Mapping[int, ExpertWeights]) -> F32:
+        t, k = ids.shape
+        # per (row, slot) expert output, then a k-ordered sum
+        ys = np.zeros((t, k, x.shape[1]), dtype=np.float32)  # [T, K, D]
+        for e in np.unique(ids):
+            rows, slots = np.nonzero(ids == e)
+            w = experts[int(e)]
+            xe = x[rows]
+            hidden = silu(self.linear(xe, w.gate)) * self.linear(xe, w.up)  # [n, I]
+            ys[rows, slots] = self.linear(hidden, w.down)
+        out = np.zeros_like(x)
+        for j in range(k):
+            out += weights[:, j : j + 1] * ys[:, j]
+        return out
