@@ -1,0 +1,1 @@
+"""Benchmarks; each module defines `register(subparsers)` for `moetier bench`."""

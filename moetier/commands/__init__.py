@@ -1,0 +1,1 @@
+"""Subcommands of `moetier`; each module defines `register(subparsers)`."""
