@@ -1,0 +1,128 @@
+from moetier.rpc.v1 import tensor_pb2 as _tensor_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DiskInfo(_message.Message):
+    __slots__ = ("name", "path", "state", "weight", "files")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    state: str
+    weight: float
+    files: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[float] = ..., files: _Optional[int] = ...) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model_id", "arch", "hidden_size", "moe_layers", "n_experts", "top_k", "record_bytes", "budget_bytes", "policy", "expert_dtype", "disks", "store_id")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    N_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DISKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    arch: str
+    hidden_size: int
+    moe_layers: _containers.RepeatedScalarFieldContainer[int]
+    n_experts: int
+    top_k: int
+    record_bytes: int
+    budget_bytes: int
+    policy: str
+    expert_dtype: str
+    disks: _containers.RepeatedCompositeFieldContainer[DiskInfo]
+    store_id: str
+    def __init__(self, model_id: _Optional[str] = ..., arch: _Optional[str] = ..., hidden_size: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., record_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., policy: _Optional[str] = ..., expert_dtype: _Optional[str] = ..., disks: _Optional[_Iterable[_Union[DiskInfo, _Mapping]]] = ..., store_id: _Optional[str] = ...) -> None: ...
+
+class ComputeExpertsRequest(_message.Message):
+    __slots__ = ("layer", "hidden", "expert_ids", "weights", "step")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    hidden: _tensor_pb2.Tensor
+    expert_ids: _tensor_pb2.Tensor
+    weights: _tensor_pb2.Tensor
+    step: int
+    def __init__(self, layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ComputeExpertsResponse(_message.Message):
+    __slots__ = ("output", "hits", "misses", "load_ns", "compute_ns")
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_NS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    output: _tensor_pb2.Tensor
+    hits: int
+    misses: int
+    load_ns: int
+    compute_ns: int
+    def __init__(self, output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., load_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("layer", "expert_ids", "step")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    expert_ids: _containers.RepeatedScalarFieldContainer[int]
+    step: int
+    def __init__(self, layer: _Optional[int] = ..., expert_ids: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("queued", "resident", "dropped")
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    queued: int
+    resident: int
+    dropped: int
+    def __init__(self, queued: _Optional[int] = ..., resident: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class HeatRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HeatResponse(_message.Message):
+    __slots__ = ("moe_layers", "n_experts", "counts", "tier", "recent", "disks", "resident_bytes", "budget_bytes", "step")
+    MOE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    N_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FIELD_NUMBER: _ClassVar[int]
+    DISKS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    moe_layers: _containers.RepeatedScalarFieldContainer[int]
+    n_experts: int
+    counts: _tensor_pb2.Tensor
+    tier: _tensor_pb2.Tensor
+    recent: _tensor_pb2.Tensor
+    disks: _containers.RepeatedScalarFieldContainer[str]
+    resident_bytes: int
+    budget_bytes: int
+    step: int
+    def __init__(self, moe_layers: _Optional[_Iterable[int]] = ..., n_experts: _Optional[int] = ..., counts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., tier: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., recent: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., disks: _Optional[_Iterable[str]] = ..., resident_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
