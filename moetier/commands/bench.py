@@ -17,4 +17,9 @@ def register(sub: Any) -> None:
     bsub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     for mod in _modules(bench):
         mod.register(bsub)
-    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+    def usage(_: argparse.Namespace) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=usage)

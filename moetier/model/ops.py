@@ -85,7 +85,7 @@ class ReferenceOps:
 
     def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float) -> F32:
         t, h, _ = q.shape
-        s, hkv, dv = v.shape
+        s, hkv, _ = v.shape
         rep = h // hkv
         kk = np.repeat(k, rep, axis=1)  # [S, H, dq]
         vv = np.repeat(v, rep, axis=1)  # [S, H, dv]
