@@ -1,0 +1,237 @@
+"""Settings of every moetier service: one object, built once in main() and passed down.
+
+Sources, highest priority first: command-line flags, environment variables
+(`MOETIER_<SECTION>__<FIELD>`, e.g. `MOETIER_CACHE__POLICY=lfu`), the YAML config
+file (`--config FILE`), the defaults below. Nothing else in moetier reads
+os.environ. `moetier config` prints the effective settings; docs/config.md is
+the reference (a test keeps it in sync with this file).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from moetier.errors import InvalidArgument
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4,
+          "tib": 1 << 40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB' / '512 MB' / '1048576' -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidArgument(f"{text!r} is not a byte size (examples: 1048576, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def resolve_budget(spec: str, total_bytes: int) -> int:
+    """An expert cache budget: a byte size or a percentage of the model's expert bytes."""
+    s = str(spec).strip()
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise InvalidArgument(f"expert cache {spec!r}: not a percentage") from None
+        if not 0 <= pct <= 100:
+            raise InvalidArgument(f"expert cache {spec!r}: percentage outside 0..100")
+        return int(total_bytes * pct / 100)
+    return parse_bytes(s)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSection(_Section):
+    path: Path | None = Field(None, description="Container directory to serve; unset: the demo model "
+                              "(built once under data_dir/models/demo).")
+    name: str | None = Field(None, description="Model name clients use (OpenAI `model`); default: the "
+                             "directory name.")
+    expert_cache: str = Field("25%", description="RAM tier budget for routed experts: bytes (`2GiB`) or a "
+                              "percentage of the model's expert bytes (`25%`).")
+    experts: Literal["int4", "int8", "bf16", "f32"] = Field(
+        "int4", description="Expert quantization used when `moetier up` builds the demo model.")
+    dense: Literal["int8", "bf16", "f32"] = Field("int8", description="Dense quantization used when "
+                                                  "`moetier up` builds the demo model.")
+
+    @field_validator("expert_cache")
+    @classmethod
+    def _budget(cls, v: str) -> str:
+        resolve_budget(v, 100)
+        return v
+
+
+class StorageSection(_Section):
+    io_engine: Literal["threads"] = Field("threads", description="Expert read engine: a bounded thread "
+                                          "pool issuing preadv.")
+    direct_io: bool = Field(True, description="Read experts with O_DIRECT where the filesystem allows it "
+                            "(falls back to buffered reads, logged).")
+    queue_depth: int = Field(8, ge=1, le=256, description="Concurrent expert reads per store.")
+    prefetch: bool = Field(True, description="Act on prefetch hints from dense workers.")
+    prefetch_depth: int = Field(64, ge=0, le=4096, description="Queued prefetch reads before hints drop.")
+    mirrors: list[Path] = Field(default_factory=list, description="Extra copies (full or partial) of the "
+                                "container's experts/ files; reads spread across copies.")
+    mirror_weights: list[float] = Field(default_factory=list, description="Read weights of primary + "
+                                        "mirrors; empty: measured by a start-up bandwidth probe.")
+
+
+class CacheSection(_Section):
+    policy: Literal["lru", "lfu", "learned"] = Field("learned", description="RAM tier replacement policy. "
+                                                     "learned: usage history (persisted) pins the hottest "
+                                                     "experts, the rest LRU.")
+    history_path: Path | None = Field(None, description="Usage history file of the learned policy; "
+                                      "default data_dir/expert-history.json.")
+    pin_fraction: float = Field(0.5, ge=0.0, le=1.0, description="Share of the budget the learned policy "
+                                "may pin.")
+
+
+class InferenceSection(_Section):
+    max_batch_size: int = Field(8, ge=1, le=256, description="Sequences in a dense worker's running batch.")
+    max_waiting: int = Field(64, ge=0, description="Requests a dense worker queues beyond the batch before "
+                             "refusing with RESOURCE_EXHAUSTED.")
+    max_seq_len: int = Field(4096, ge=16, description="Prompt + generated tokens per sequence (capped by the "
+                             "model's max_position_embeddings).")
+    prefill_chunk: int = Field(256, ge=1, description="Prompt tokens prefilled per step; long prompts are "
+                               "prefilled in chunks between decode steps.")
+    kv_dtype: Literal["float32"] = Field("float32", description="KV cache dtype (float32 only: exact).")
+    prefix_cache_bytes: str = Field("1GiB", description="Disk budget of the persisted prefix cache.")
+    prefix_cache_dir: Path | None = Field(None, description="Prefix cache directory; default "
+                                          "data_dir/prefix-cache/<model id>.")
+    expert_timeout_s: float = Field(30.0, gt=0, description="Deadline of each ComputeExperts call.")
+
+
+class Endpoint(_Section):
+    bind: str = Field(description="host:port the service listens on.")
+    address: str = Field(description="host:port other services use to reach it.")
+    metrics_port: int = Field(description="Port of its Prometheus /metrics endpoint (0: none).")
+    id: str = Field(description="Name it registers under.")
+
+
+class GatewaySection(_Section):
+    bind: str = Field("127.0.0.1:8000", description="host:port of the OpenAI-compatible HTTP API.")
+    api_key: str | None = Field(None, description="If set, /v1/* requires `Authorization: Bearer <key>`.")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body (413 above).")
+    request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one generation through the router.")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MOETIER_", env_nested_delimiter="__", extra="forbid")
+
+    data_dir: Path = Field(Path("~/.cache/moetier"), description="Where moetier keeps the demo model, "
+                           "caches and history.")
+    model: ModelSection = ModelSection()
+    storage: StorageSection = StorageSection()
+    cache: CacheSection = CacheSection()
+    inference: InferenceSection = InferenceSection()
+    gateway: GatewaySection = GatewaySection()
+    router: Endpoint = Endpoint(bind="127.0.0.1:50051", address="127.0.0.1:50051", metrics_port=9101,
+                                id="router")
+    dense_worker: Endpoint = Endpoint(bind="127.0.0.1:50052", address="127.0.0.1:50052", metrics_port=9102,
+                                      id="worker-0")
+    expert_store: Endpoint = Endpoint(bind="127.0.0.1:50053", address="127.0.0.1:50053", metrics_port=9103,
+                                      id="store-0")
+    queue_capacity: int = Field(256, ge=1, description="Router: requests queued cluster-wide before 429 / "
+                                "RESOURCE_EXHAUSTED.")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="Members heartbeat the router this often.")
+    member_expiry_s: float = Field(5.0, gt=0, description="Router drops a member silent this long.")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSource(settings_cls))
+
+    @property
+    def data_path(self) -> Path:
+        return self.data_dir.expanduser()
+
+
+_config_file: ContextVar[dict[str, Any]] = ContextVar("moetier_config_file", default={})
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return _config_file.get().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_config_file.get())
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_settings(config: Path | None = None, overrides: dict[str, Any] | None = None,
+                  environ: dict[str, str] | None = None) -> Settings:
+    """Build the settings: flags (`overrides`, nested dicts) > env > config file > defaults.
+
+    `environ` replaces os.environ (tests, and `moetier up` preparing children).
+    """
+    data: dict[str, Any] = {}
+    if config is not None:
+        try:
+            data = yaml.safe_load(Path(config).read_text()) or {}
+        except FileNotFoundError:
+            raise InvalidArgument(f"config file {config} does not exist") from None
+        except yaml.YAMLError as e:
+            raise InvalidArgument(f"config file {config} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise InvalidArgument(f"config file {config}: top level must be a mapping of sections")
+    token = _config_file.set(data)
+    saved = None
+    if environ is not None:
+        saved = {k: v for k, v in os.environ.items() if k.startswith("MOETIER_")}
+        for k in saved:
+            del os.environ[k]
+        os.environ.update({k: v for k, v in environ.items() if k.startswith("MOETIER_")})
+    try:
+        from pydantic import ValidationError
+
+        try:
+            return Settings(**(overrides or {}))
+        except ValidationError as e:
+            where = f" (config file {config})" if config else ""
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
+            )
+            raise InvalidArgument(f"invalid settings{where}: {problems}") from None
+    finally:
+        _config_file.reset(token)
+        if saved is not None:
+            for k in [k for k in os.environ if k.startswith("MOETIER_")]:
+                del os.environ[k]
+            os.environ.update(saved)
+
+
+def merge_flags(**flags: Any) -> dict[str, Any]:
+    """Turn `section__field=value` flags (None = not given) into a nested overrides dict."""
+    out: dict[str, Any] = {}
+    for key, value in flags.items():
+        if value is None or value == []:
+            continue
+        parts = key.split("__")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return _deep_merge({}, out)
