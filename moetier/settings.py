@@ -163,15 +163,15 @@ class Settings(BaseSettings):
         return self.data_dir.expanduser()
 
 
-_config_file: ContextVar[dict[str, Any]] = ContextVar("moetier_config_file", default={})
+_config_file: ContextVar[dict[str, Any] | None] = ContextVar("moetier_config_file", default=None)
 
 
 class _YamlSource(PydanticBaseSettingsSource):
     def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return _config_file.get().get(field_name), field_name, False
+        return (_config_file.get() or {}).get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_config_file.get())
+        return dict(_config_file.get() or {})
 
 
 def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
