@@ -1,0 +1,10 @@
+"""The container format: manifest, dense safetensors, expert records and index, reader and
+writer, and quantization (docs/internals.md, 'The container')."""
+
+from __future__ import annotations
+
+from moetier.weights.container import Container, ExpertIndex, ExpertLocation
+from moetier.weights.layout import PartLayout, RecordLayout
+from moetier.weights.writer import ContainerWriter
+
+__all__ = ["Container", "ContainerWriter", "ExpertIndex", "ExpertLocation", "PartLayout", "RecordLayout"]

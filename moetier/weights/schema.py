@@ -1,0 +1,100 @@
+"""What a container of a given `ModelArgs` holds: every canonical dense tensor with its
+shape, the routed-expert matrices, and the tensor class (and so the storage dtype) of each.
+
+The canonical names are defined in moetier/convert/adapters/base.py. This module is the
+one place that turns a `ModelArgs` into the full list of tensors, so the converter (shape
+checks, completeness), synth (what to generate) and the reader (what must be present)
+agree by construction.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from moetier.model.config import ModelArgs
+from moetier.weights.quant import QDType
+
+TensorClass = Literal["experts", "dense", "exact"]
+EXPERT_PARTS: tuple[str, ...] = ("gate", "up", "down")
+EXPERTS_ALLOWED: tuple[QDType, ...] = ("int4", "int8", "bf16", "f32")
+DENSE_ALLOWED: tuple[QDType, ...] = ("int8", "bf16", "f32")
+
+Shape = tuple[int, ...]
+
+
+def dense_shapes(args: ModelArgs) -> dict[str, Shape]:
+    """Canonical name -> shape of every dense tensor, in a fixed order (embed, layers, head)."""
+    a = args
+    d = a.hidden_size
+    out: dict[str, Shape] = {"embed": (a.vocab_size, d)}
+    for i in range(a.num_layers):
+        p = f"layers.{i}"
+        out[f"{p}.attn_norm"] = (d,)
+        if a.attention == "mla":
+            qk = a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+            if a.q_lora_rank is None:
+                out[f"{p}.attn.wq"] = (qk, d)
+            else:
+                out[f"{p}.attn.wq_a"] = (a.q_lora_rank, d)
+                out[f"{p}.attn.q_a_norm"] = (a.q_lora_rank,)
+                out[f"{p}.attn.wq_b"] = (qk, a.q_lora_rank)
+            out[f"{p}.attn.wkv_a"] = (a.kv_lora_rank + a.qk_rope_head_dim, d)
+            out[f"{p}.attn.kv_a_norm"] = (a.kv_lora_rank,)
+            out[f"{p}.attn.wkv_b"] = (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+            out[f"{p}.attn.wo"] = (d, a.num_heads * a.v_head_dim)
+        else:
+            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            out[f"{p}.attn.wq"] = (q, d)
+            out[f"{p}.attn.wk"] = (kv, d)
+            out[f"{p}.attn.wv"] = (kv, d)
+            out[f"{p}.attn.wo"] = (d, q)
+            if a.qkv_bias:
+                out[f"{p}.attn.bq"] = (q,)
+                out[f"{p}.attn.bk"] = (kv,)
+                out[f"{p}.attn.bv"] = (kv,)
+            if a.qk_norm == "head":
+                out[f"{p}.attn.q_norm"] = (a.head_dim,)
+                out[f"{p}.attn.k_norm"] = (a.head_dim,)
+            elif a.qk_norm == "full":
+                out[f"{p}.attn.q_norm"] = (q,)
+                out[f"{p}.attn.k_norm"] = (kv,)
+        out[f"{p}.ffn_norm"] = (d,)
+        if a.moe_layers[i]:
+            out[f"{p}.moe.router"] = (a.n_routed_experts, d)
+            if a.score_correction_bias:
+                out[f"{p}.moe.router_bias"] = (a.n_routed_experts,)
+            fs = a.shared_intermediate_size
+            if fs:
+                out[f"{p}.moe.shared.w_gate"] = (fs, d)
+                out[f"{p}.moe.shared.w_up"] = (fs, d)
+                out[f"{p}.moe.shared.w_down"] = (d, fs)
+                if a.shared_expert_gate:
+                    out[f"{p}.moe.shared_gate"] = (1, d)
+        else:
+            f = a.intermediate_size
+            out[f"{p}.mlp.w_gate"] = (f, d)
+            out[f"{p}.mlp.w_up"] = (f, d)
+            out[f"{p}.mlp.w_down"] = (d, f)
+    out["final_norm"] = (d,)
+    if not a.tie_word_embeddings:
+        out["lm_head"] = (a.vocab_size, d)
+    return out
+
+
+def expert_shapes(args: ModelArgs) -> dict[str, Shape]:
+    """Shapes of one routed expert's matrices: gate/up [I, D], down [D, I]."""
+    i, d = args.moe_intermediate_size, args.hidden_size
+    return {"gate": (i, d), "up": (i, d), "down": (d, i)}
+
+
+def tensor_class(name: str, shape: Shape) -> TensorClass:
+    """Class of a canonical dense tensor (internals.md, 'Quantized tensors')."""
+    leaf = name.rsplit(".", 1)[-1]
+    if len(shape) < 2 or "norm" in leaf or leaf in ("router", "router_bias", "shared_gate", "bq", "bk", "bv"):
+        return "exact"
+    return "dense"
+
+
+def storage_dtype(name: str, shape: Shape, dense: QDType) -> QDType:
+    """The dtype a dense tensor is stored in, given the container's dense dtype."""
+    return "f32" if tensor_class(name, shape) == "exact" else dense
