@@ -41,6 +41,9 @@ class ModelArgs:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # RMSNorm epsilon of the MLA latents (q_a_norm, kv_a_norm): Hugging Face and DeepSeek's own
+    # code build these norms with the RMSNorm default, not with rms_norm_eps.
+    latent_norm_eps: float = 1e-6
 
     qkv_bias: bool = False  # biases on q/k/v projections (Qwen2-MoE, GLM-4.5 attention_bias)
     qk_norm: QkNorm = "none"

@@ -62,6 +62,20 @@ class Ops(Protocol):
         ...
 
 
+class ExpertProvider(Protocol):
+    """Where a layer's routed experts are computed: in-process over a dict or a RAM/NVMe tier,
+    or one ComputeExperts RPC per layer per step. Every implementation ends in `Ops.moe`, so
+    where an expert came from never changes the result."""
+
+    def moe(self, layer: int, x: F32, ids: npt.NDArray[np.int32], weights: F32) -> F32:
+        """Routed experts of `layer` over all rows of a step: x [T, D], ids/weights [T, K] -> [T, D]."""
+        ...
+
+    def prefetch(self, layer: int, ids: npt.NDArray[np.int32]) -> None:
+        """Hint: `layer` will soon need experts `ids` [n] (sorted, unique). May do nothing."""
+        ...
+
+
 def silu(x: F32) -> F32:
     return (x / (1.0 + np.exp(-x))).astype(np.float32, copy=False)
 

@@ -1,0 +1,169 @@
+"""Attention layers: GQA (Mixtral, Qwen-MoE, OLMoE, GLM-4.5) and MLA (DeepSeek-V2/V3).
+
+Legend: T = rows of the step (all sequences), n = rows of one sequence, S = its cached
+positions, D = hidden, H = query heads, Hkv = key/value heads, hd = head dim,
+C = kv_lora_rank, R = qk_rope_head_dim, N = qk_nope_head_dim, Dv = v_head_dim, Q = q_lora_rank.
+
+Projections run once over all T rows; attention runs per sequence against its own cache.
+
+MLA runs in the absorbed form for prefill and decode alike, so a prompt fed in chunks sees
+exactly the arithmetic it sees in one piece:
+    keys   = [c_kv | k_pe]        [S, 1, C + R]   (the cache row, one shared "head")
+    values = c_kv                 [S, 1, C]
+    query  = [q_nope W_UK_h | q_pe]  per head     [n, H, C + R]
+    out_h  = (softmax(query . keys) values) W_UV_h^T                    [n, Dv]
+which equals the expanded form k_nope = c_kv W_UK^T, v = c_kv W_UV^T.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from moetier.model.config import ModelArgs
+from moetier.model.kv_cache import KVCache
+from moetier.model.ops import Ops
+from moetier.model.rope import Rope
+from moetier.model.weights import vector
+from moetier.weights.quant import QTensor, quantize
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a step."""
+
+    cache: KVCache
+    rows: slice  # its rows in the step's [T, ...] arrays
+    start: int  # first new position (= cache.length before the step)
+
+    @property
+    def end(self) -> int:
+        return self.start + (self.rows.stop - self.rows.start)
+
+    @property
+    def positions(self) -> npt.NDArray[np.int64]:
+        return np.arange(self.start, self.end, dtype=np.int64)
+
+
+def _opt_vector(dense: Mapping[str, QTensor], name: str) -> F32 | None:
+    return vector(dense[name]) if name in dense else None
+
+
+class GqaAttention:
+    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float):
+        p = f"layers.{layer}.attn"
+        self.args, self.layer, self.rope, self.scale = args, layer, rope, scale
+        self.wq, self.wk, self.wv, self.wo = (dense[f"{p}.w{x}"] for x in "qkvo")
+        self.bq, self.bk, self.bv = (_opt_vector(dense, f"{p}.b{x}") if args.qkv_bias else None for x in "qkv")
+        norm = args.qk_norm != "none"
+        self.q_norm = vector(dense[f"{p}.q_norm"]) if norm else None
+        self.k_norm = vector(dense[f"{p}.k_norm"]) if norm else None
+
+    def _qk_norm(self, ops: Ops, x: F32, weight: F32 | None, heads: int) -> F32:
+        if weight is None:
+            return x
+        eps = self.args.rms_norm_eps
+        if self.args.qk_norm == "full":
+            return ops.rmsnorm(x, weight, eps)  # over the whole projection [T, heads*hd]
+        t = x.shape[0]
+        per_head = ops.rmsnorm(x.reshape(t * heads, -1), weight, eps)  # [T*heads, hd]
+        return per_head.reshape(t, -1)
+
+    def __call__(self, ops: Ops, h: F32, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32:
+        """h [T, D] (normed), cos/sin [T, P] -> [T, D]; writes k, v of every segment."""
+        a = self.args
+        t, hd = h.shape[0], a.head_dim
+        q = self._qk_norm(ops, ops.linear(h, self.wq, self.bq), self.q_norm, a.num_heads)  # [T, H*hd]
+        k = self._qk_norm(ops, ops.linear(h, self.wk, self.bk), self.k_norm, a.num_kv_heads)  # [T, Hkv*hd]
+        v = ops.linear(h, self.wv, self.bv)  # [T, Hkv*hd]
+        if a.clip_qkv is not None:
+            c = np.float32(a.clip_qkv)
+            q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)
+        q = self.rope.apply(q.reshape(t, a.num_heads, hd), cos, sin)  # [T, H, hd]
+        k = self.rope.apply(k.reshape(t, a.num_kv_heads, hd), cos, sin)  # [T, Hkv, hd]
+        v = v.reshape(t, a.num_kv_heads, hd)  # [T, Hkv, hd]
+        out = np.empty((t, a.num_heads, hd), dtype=np.float32)  # [T, H, hd]
+        for seg in segments:
+            seg.cache.put(self.layer, "k", seg.start, k[seg.rows])
+            seg.cache.put(self.layer, "v", seg.start, v[seg.rows])
+            out[seg.rows] = ops.attention(
+                np.ascontiguousarray(q[seg.rows]),
+                seg.cache.get(self.layer, "k", seg.end),  # [S, Hkv, hd]
+                seg.cache.get(self.layer, "v", seg.end),  # [S, Hkv, hd]
+                seg.positions,
+                self.scale,
+            )
+        return ops.linear(out.reshape(t, a.num_heads * hd), self.wo)  # [T, D]
+
+
+class MlaAttention:
+    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float):
+        p = f"layers.{layer}.attn"
+        self.args, self.layer, self.rope, self.scale = args, layer, rope, scale
+        if args.q_lora_rank is None:
+            self.wq: QTensor | None = dense[f"{p}.wq"]
+        else:
+            self.wq = None
+            self.wq_a, self.wq_b = dense[f"{p}.wq_a"], dense[f"{p}.wq_b"]
+            self.q_a_norm = vector(dense[f"{p}.q_a_norm"])
+        self.wkv_a, self.wo = dense[f"{p}.wkv_a"], dense[f"{p}.wo"]
+        self.kv_a_norm = vector(dense[f"{p}.kv_a_norm"])
+        # Absorption matrices, per head, float32 whatever wkv_b is stored as:
+        #   uk_t[h] = W_UK_h^T [C, N] (q_nope [n, N] -> latent query [n, C]),
+        #   uv[h]   = W_UV_h   [Dv, C] (latent context [n, C] -> head output [n, Dv]).
+        n, dv, c = args.qk_nope_head_dim, args.v_head_dim, args.kv_lora_rank
+        wkv_b = dense[f"{p}.wkv_b"].dequantize().reshape(args.num_heads, n + dv, c)  # [H, N + Dv, C]
+        self.uk_t = [quantize(np.ascontiguousarray(w[:n].T), "f32") for w in wkv_b]
+        self.uv = [quantize(np.ascontiguousarray(w[n:]), "f32") for w in wkv_b]
+
+    def _query(self, ops: Ops, h: F32) -> F32:
+        if self.wq is not None:
+            return ops.linear(h, self.wq)  # [T, H*(N+R)]
+        q_a = ops.rmsnorm(ops.linear(h, self.wq_a), self.q_a_norm, self.args.latent_norm_eps)  # [T, Q]
+        return ops.linear(q_a, self.wq_b)  # [T, H*(N+R)]
+
+    def __call__(self, ops: Ops, h: F32, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32:
+        """h [T, D] (normed), cos/sin [T, P] -> [T, D]; writes the latent row of every segment."""
+        a = self.args
+        t, heads, n, c = h.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
+        q = self._query(ops, h).reshape(t, heads, n + a.qk_rope_head_dim)  # [T, H, N + R]
+        q_pe = self.rope.apply(q[..., n:], cos, sin)  # [T, H, R]
+        kv = ops.linear(h, self.wkv_a)  # [T, C + R]
+        c_kv = ops.rmsnorm(np.ascontiguousarray(kv[:, :c]), self.kv_a_norm, a.latent_norm_eps)  # [T, C]
+        k_pe = self.rope.apply(kv[:, None, c:], cos, sin)[:, 0]  # [T, R]
+        latent = np.concatenate([c_kv, k_pe], axis=-1)  # [T, C + R]
+
+        query = np.empty((t, heads, c + a.qk_rope_head_dim), dtype=np.float32)  # [T, H, C + R]
+        for i in range(heads):
+            query[:, i, :c] = ops.linear(np.ascontiguousarray(q[:, i, :n]), self.uk_t[i])  # [T, C]
+        query[:, :, c:] = q_pe
+
+        ctx = np.empty((t, heads, c), dtype=np.float32)  # [T, H, C]
+        for seg in segments:
+            seg.cache.put(self.layer, "latent", seg.start, latent[seg.rows])
+            keys = seg.cache.get(self.layer, "latent", seg.end)  # [S, C + R]
+            ctx[seg.rows] = ops.attention(
+                np.ascontiguousarray(query[seg.rows]),
+                keys[:, None, :],  # [S, 1, C + R]
+                np.ascontiguousarray(keys[:, None, :c]),  # [S, 1, C]
+                seg.positions,
+                self.scale,
+            )
+        out = np.empty((t, heads, a.v_head_dim), dtype=np.float32)  # [T, H, Dv]
+        for i in range(heads):
+            out[:, i] = ops.linear(np.ascontiguousarray(ctx[:, i]), self.uv[i])  # [T, Dv]
+        return ops.linear(out.reshape(t, heads * a.v_head_dim), self.wo)  # [T, D]
+
+
+Attention = GqaAttention | MlaAttention
+
+
+def build_attention(args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float) -> Attention:
+    if args.attention == "mla":
+        return MlaAttention(args, layer, dense, rope, scale)
+    return GqaAttention(args, layer, dense, rope, scale)

@@ -1,0 +1,59 @@
+"""Feed-forward blocks: the dense SwiGLU MLP and the MoE block around the expert provider.
+
+Legend: T = rows, D = hidden, F = MLP width (dense F, shared-expert Fs), K = experts per token.
+
+    MoE(x) = experts(x; router(x)) + [sigmoid(x @ shared_gate.T)] * SwiGLU_shared(x)
+
+The routed part goes through an ExpertProvider (one call per layer per step with every row);
+the shared expert is dense and resident, computed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+
+from moetier.model.config import ModelArgs
+from moetier.model.ops import ExpertProvider, Ops, silu
+from moetier.model.router import Router
+from moetier.model.weights import vector
+from moetier.weights.quant import QTensor
+
+F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
+
+
+class SwiGlu:
+    """y = w_down(silu(w_gate x) * w_up x)."""
+
+    def __init__(self, dense: Mapping[str, QTensor], prefix: str) -> None:
+        self.w_gate = dense[f"{prefix}.w_gate"]  # [F, D]
+        self.w_up = dense[f"{prefix}.w_up"]  # [F, D]
+        self.w_down = dense[f"{prefix}.w_down"]  # [D, F]
+
+    def __call__(self, ops: Ops, x: F32) -> F32:
+        hidden = silu(ops.linear(x, self.w_gate)) * ops.linear(x, self.w_up)  # [T, F]
+        return ops.linear(hidden, self.w_down)  # [T, D]
+
+
+class MoeBlock:
+    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor]) -> None:
+        p = f"layers.{layer}.moe"
+        self.layer = layer
+        bias = vector(dense[f"{p}.router_bias"]) if args.score_correction_bias else None
+        self.router = Router(args, dense[f"{p}.router"], bias)
+        self.shared = SwiGlu(dense, f"{p}.shared") if args.shared_intermediate_size else None
+        self.shared_gate = dense[f"{p}.shared_gate"] if args.shared_expert_gate else None  # [1, D]
+
+    def __call__(self, ops: Ops, experts: ExpertProvider, x: F32, ids: I32, weights: F32) -> F32:
+        """x [T, D] (normed), routing ids/weights [T, K] -> [T, D]."""
+        y = experts.moe(self.layer, x, ids, weights)  # [T, D]
+        if self.shared is not None:
+            s = self.shared(ops, x)  # [T, D]
+            if self.shared_gate is not None:
+                g = ops.linear(x, self.shared_gate)  # [T, 1]
+                s = s * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))
+            y = y + s
+        return np.ascontiguousarray(y, dtype=np.float32)

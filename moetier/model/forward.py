@@ -1,0 +1,194 @@
+"""The model: a batched forward step over several sequences, each with its own KV cache.
+
+Legend: B = sequences in the step, n_b = new tokens of sequence b, T = sum n_b (rows),
+D = hidden, V = vocab, E = routed experts, K = experts per token.
+
+One step (a prefill chunk or a decode token per sequence):
+    x = embed(tokens)                                   [T, D]
+    for each layer:
+        [MoE layer, prediction on] router(ffn_norm(x)) -> prefetch hint for this layer
+        x = x + attention(attn_norm(x))                 per sequence against its cache
+        x = x + ffn(ffn_norm(x))                        dense MLP, or MoE: ONE provider call
+    logits = lm_head(final_norm(x[last row of each sequence]))   [B, V]
+
+Every matmul runs over the T concatenated rows; only attention is per sequence. With
+row-invariant Ops, a sequence's logits do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from moetier.model.attention import Attention, Segment, build_attention
+from moetier.model.config import ModelArgs
+from moetier.model.ffn import MoeBlock, SwiGlu
+from moetier.model.kv_cache import KVCache, cache_layout
+from moetier.model.ops import ExpertProvider, Ops
+from moetier.model.rope import Rope, softmax_scale
+from moetier.model.weights import check_dense, embed_rows, vector
+from moetier.weights.quant import QTensor
+
+F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
+TokenIds = Sequence[int] | npt.NDArray[np.integer]
+
+
+@dataclass
+class PrefetchStats:
+    """Gate prediction quality, summed over steps: per step and MoE layer, the experts predicted
+    before attention (router on the hidden state entering the layer) vs the batch union used."""
+
+    predicted: int = 0  # experts hinted
+    actual: int = 0  # experts the layer then used
+    hits: int = 0  # hinted and used
+    by_layer: dict[int, list[int]] = field(default_factory=dict)  # layer -> [predicted, actual, hits]
+
+    def record(self, layer: int, predicted: I32, actual: I32) -> None:
+        hits = len(np.intersect1d(predicted, actual, assume_unique=True))
+        self.predicted += len(predicted)
+        self.actual += len(actual)
+        self.hits += hits
+        row = self.by_layer.setdefault(layer, [0, 0, 0])
+        row[0] += len(predicted)
+        row[1] += len(actual)
+        row[2] += hits
+
+    @property
+    def recall(self) -> float:
+        """Share of used experts that were hinted (1.0 before any MoE layer ran)."""
+        return self.hits / self.actual if self.actual else 1.0
+
+    @property
+    def precision(self) -> float:
+        """Share of hinted experts that were used."""
+        return self.hits / self.predicted if self.predicted else 1.0
+
+
+@dataclass
+class ModelStats:
+    steps: int = 0
+    tokens: int = 0  # rows processed (prefill + decode)
+    prefetch: PrefetchStats = field(default_factory=PrefetchStats)
+
+
+@dataclass
+class Layer:
+    attn_norm: F32  # [D]
+    ffn_norm: F32  # [D]
+    attention: Attention
+    mlp: SwiGlu | None  # dense layer
+    moe: MoeBlock | None  # MoE layer
+
+
+class Model:
+    def __init__(
+        self,
+        args: ModelArgs,
+        dense: Mapping[str, QTensor],
+        ops: Ops,
+        experts: ExpertProvider,
+        *,
+        predict_experts: bool = True,
+    ) -> None:
+        check_dense(args, dense)
+        self.args, self.ops, self.experts = args, ops, experts
+        self.predict_experts = predict_experts  # issue prefetch hints (and measure their recall)
+        self.stats = ModelStats()
+        rope, scale = Rope.from_args(args), softmax_scale(args)
+        self.rope = rope
+        self.embed = dense["embed"]  # [V, D]
+        self.lm_head = dense["embed"] if args.tie_word_embeddings else dense["lm_head"]  # [V, D]
+        self.final_norm = vector(dense["final_norm"])
+        self.layers = [
+            Layer(
+                attn_norm=vector(dense[f"layers.{i}.attn_norm"]),
+                ffn_norm=vector(dense[f"layers.{i}.ffn_norm"]),
+                attention=build_attention(args, i, dense, rope, scale),
+                mlp=None if args.moe_layers[i] else SwiGlu(dense, f"layers.{i}.mlp"),
+                moe=MoeBlock(args, i, dense) if args.moe_layers[i] else None,
+            )
+            for i in range(args.num_layers)
+        ]
+
+    def new_cache(self) -> KVCache:
+        return KVCache.for_model(self.args)
+
+    # ---- the step ---------------------------------------------------------------------
+    def step(self, batch: Sequence[tuple[KVCache, TokenIds]], all_logits: bool = False) -> list[F32]:
+        """Run new tokens of several sequences at once and append them to their caches.
+
+        Returns, per sequence, the logits of its last token [V] (all_logits: of every new
+        token, [n_b, V]). A step that raises leaves every cache unchanged.
+        """
+        if not batch:
+            return []
+        tokens = [self._check_tokens(np.asarray(t)) for _, t in batch]
+        segments = self._segments([c for c, _ in batch], tokens)
+        ids = np.concatenate(tokens)  # [T]
+        pos = np.concatenate([s.positions for s in segments])  # [T]
+        cos, sin = self.rope.cos_sin(pos)  # [T, P]
+
+        x = embed_rows(self.embed, ids)  # [T, D]
+        for i, layer in enumerate(self.layers):
+            x = self._layer(i, layer, x, cos, sin, segments)
+
+        for seg, t in zip(segments, tokens, strict=True):
+            seg.cache.commit(t)
+        self.stats.steps += 1
+        self.stats.tokens += len(ids)
+
+        if all_logits:
+            logits = self._logits(x)  # [T, V]
+            return [logits[s.rows] for s in segments]
+        last = np.array([s.rows.stop - 1 for s in segments])
+        logits = self._logits(x[last])  # [B, V]
+        return list(logits)
+
+    def _check_tokens(self, t: npt.NDArray[np.generic]) -> npt.NDArray[np.int64]:
+        t = t.reshape(-1)
+        if len(t) == 0:
+            raise ValueError("a sequence in the step has no tokens")
+        if not np.issubdtype(t.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got {t.dtype}")
+        if t.min() < 0 or t.max() >= self.args.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.args.vocab_size})")
+        return t.astype(np.int64)
+
+    def _segments(self, caches: Sequence[KVCache], tokens: Sequence[npt.NDArray[np.int64]]) -> list[Segment]:
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a KV cache appears twice in one step")
+        layout = cache_layout(self.args)
+        out, row = [], 0
+        for cache, t in zip(caches, tokens, strict=True):
+            if cache.layout != layout or cache.num_layers != self.args.num_layers:
+                raise ValueError("KV cache was made for a different model shape")
+            out.append(Segment(cache, slice(row, row + len(t)), cache.reserve(len(t))))
+            row += len(t)
+        return out
+
+    def _layer(self, i: int, layer: Layer, x: F32, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32:
+        ops, eps = self.ops, self.args.rms_norm_eps
+        predicted = None
+        if layer.moe is not None and self.predict_experts:
+            guess, _ = layer.moe.router.route(ops, ops.rmsnorm(x, layer.ffn_norm, eps))  # [T, K]
+            predicted = np.unique(guess).astype(np.int32)
+            self.experts.prefetch(i, predicted)
+
+        x = x + layer.attention(ops, ops.rmsnorm(x, layer.attn_norm, eps), cos, sin, segments)  # [T, D]
+
+        h = ops.rmsnorm(x, layer.ffn_norm, eps)  # [T, D]
+        if layer.moe is None:
+            assert layer.mlp is not None
+            return x + layer.mlp(ops, h)
+        ids, weights = layer.moe.router.route(ops, h)  # [T, K]
+        if predicted is not None:
+            self.stats.prefetch.record(i, predicted, np.unique(ids).astype(np.int32))
+        return x + layer.moe(ops, self.experts, h, ids, weights)
+
+    def _logits(self, x: F32) -> F32:
+        h = self.ops.rmsnorm(np.ascontiguousarray(x), self.final_norm, self.args.rms_norm_eps)  # [n, D]
+        return self.ops.linear(h, self.lm_head)  # [n, V]

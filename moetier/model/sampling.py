@@ -1,0 +1,131 @@
+"""Choosing the next token from logits: penalties, temperature, top-k, top-p, seeded sampling.
+
+Legend: V = vocab, k = top_logprobs.
+
+A chain of small functions, each testable alone:
+    apply_penalties -> logits_to_probs -> sample          (greedy_token at temperature 0)
+`Sampler` holds one request's state (its RNG and the counts of the tokens it generated) and
+applies the chain per step. The same seed gives the same tokens for the same logits.
+
+Logprobs are those of the model's own distribution, log_softmax(logits), before penalties,
+temperature and truncation: what the model thinks, independent of how it was sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # True: the model's eos tokens do not stop generation
+    seed: int | None = None  # None: fresh entropy
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 0 or self.top_logprobs < 0:
+            raise ValueError("max_tokens and top_logprobs must be >= 0")
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token: int
+    logprob: float | None = None  # of `token`, when asked for
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # best first
+
+
+def apply_penalties(logits: F32, counts: npt.NDArray[np.int64], presence: float, frequency: float) -> F32:
+    """OpenAI penalties: logits - frequency * count - presence * (count > 0); logits/counts [V]."""
+    if presence == 0 and frequency == 0:
+        return logits
+    penalty = frequency * counts + presence * (counts > 0)
+    return (logits - penalty).astype(np.float32)
+
+
+def log_softmax(logits: F32) -> F32:
+    z = logits.astype(np.float64) - logits.max()
+    return (z - np.log(np.exp(z).sum())).astype(np.float32)
+
+
+def greedy_token(logits: F32) -> int:
+    """The most likely token (lowest id on ties)."""
+    return int(np.argmax(logits))
+
+
+def logits_to_probs(logits: F32, temperature: float, top_k: int = 0, top_p: float = 1.0) -> npt.NDArray[np.float64]:
+    """Temperature, then keep the top_k best, then the smallest best set with mass >= top_p: [V]."""
+    z = logits.astype(np.float64) / temperature
+    order = np.argsort(-z, kind="stable")  # best first, lower id on ties
+    if 0 < top_k < len(z):
+        z[order[top_k:]] = -np.inf
+        order = order[:top_k]
+    p = np.exp(z - z[order[0]])
+    p /= p.sum()
+    if top_p < 1.0:
+        cum = np.cumsum(p[order])
+        keep = int(np.searchsorted(cum, top_p)) + 1  # first prefix reaching top_p
+        p[order[keep:]] = 0.0
+        p /= p.sum()
+    return p
+
+
+def sample(probs: npt.NDArray[np.float64], rng: np.random.Generator) -> int:
+    """One draw by inverse CDF (one uniform per token, so a seed fixes the whole sequence)."""
+    cdf = np.cumsum(probs)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    nz = np.flatnonzero(probs)
+    return int(min(max(i, nz[0]), nz[-1]))
+
+
+class Sampler:
+    """One request's sampling state."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+        self.counts = np.zeros(vocab_size, dtype=np.int64)
+        self.generated = 0
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+
+    def choose(self, logits: F32) -> SampledToken:
+        """Pick the next token from logits [V] and remember it."""
+        p = self.params
+        penalised = apply_penalties(logits, self.counts, p.presence_penalty, p.frequency_penalty)
+        if p.temperature == 0:
+            token = greedy_token(penalised)
+        else:
+            token = sample(logits_to_probs(penalised, p.temperature, p.top_k, p.top_p), self.rng)
+        self.counts[token] += 1
+        self.generated += 1
+        if not (p.logprobs or p.top_logprobs):
+            return SampledToken(token)
+        lp = log_softmax(logits)
+        best = np.argsort(-lp, kind="stable")[: p.top_logprobs]
+        return SampledToken(token, float(lp[token]), [(int(i), float(lp[i])) for i in best])
+
+    def finish_reason(self, token: int) -> str | None:
+        """"stop" after a stop/eos token, "length" at max_tokens, else None."""
+        if token in self.stop_ids:
+            return "stop"
+        if self.generated >= self.params.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,252 @@
+"""Tiny Hugging Face checkpoints for the oracle tests: make them, load them, run transformers.
+
+Checkpoints come from the project's synth (`moetier.convert.synth.write_hf_checkpoint`,
+presets `tiny-<arch>`) when it exists, else from `write_tiny_checkpoint` below: the same
+idea in a few lines (a config.json per architecture and seeded numpy weights written in the
+source layout through the adapters' inverse names). Either way the weights are a pure
+function of (generator, preset, seed), so a test without torch rebuilds exactly the
+checkpoint a fixture was made from -- the xxh3 checksum recorded in the fixture proves it.
+
+`hf_reference` is the only code that imports torch/transformers (lazily): the fixture script
+and the live tests call it where those are installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+from safetensors.numpy import load_file, save_file
+
+from moetier.convert.adapters import Dense, Expert, FusedExperts, adapter_for
+from moetier.model.config import ModelArgs
+from moetier.model.experts import DictExperts
+from moetier.model.forward import Model
+from moetier.model.ops import Ops, ReferenceOps
+from moetier.model.weights import dense_shapes
+from moetier.weights.quant import ExpertWeights, QTensor, quantize
+
+ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SYNTH_MODULE = "moetier.convert.synth"
+HELPER_GENERATOR = "tests.helpers_hf"
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 64, "hidden_act": "silu", "max_position_embeddings": 256,
+    "initializer_range": 0.02, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    "pad_token_id": None, "attention_dropout": 0.0, "dtype": "float32",
+}
+# Each exercises its architecture's quirks: yarn with mscale != mscale_all_dim, q_lora and
+# groups (V3), no q_lora and max-per-group greedy (V2), partial rotary + qk norm + qkv bias
+# (GLM), explicit head_dim and a dense layer (Qwen3), shared expert gate (Qwen2), clip_qkv +
+# full-width qk norm + tied embeddings (OLMoE).
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {
+        "model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "first_k_dense_replace": 1, "rope_interleave": True, "rms_norm_eps": 1e-6, "attention_bias": False,
+        "num_nextn_predict_layers": 0,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8,
+                            "beta_fast": 32, "beta_slow": 1},
+    },
+    "deepseek_v2": {
+        "model_type": "deepseek_v2", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 3,
+        "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2, "n_shared_experts": 2,
+        "routed_scaling_factor": 1.5, "norm_topk_prob": False, "first_k_dense_replace": 1, "rms_norm_eps": 1e-6,
+        "attention_bias": False, "mlp_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "glm4_moe": {
+        "model_type": "glm4_moe", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 16,
+        "num_experts_per_tok": 4, "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "first_k_dense_replace": 1, "use_qk_norm": True,
+        "attention_bias": True, "rms_norm_eps": 1e-5, "partial_rotary_factor": 0.5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "intermediate_size": 128, "moe_intermediate_size": 32, "num_experts": 16,
+        "num_experts_per_tok": 4, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+        "attention_bias": False, "rms_norm_eps": 1e-6, "use_sliding_window": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "qwen2_moe": {
+        "model_type": "qwen2_moe", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+        "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "qkv_bias": True, "rms_norm_eps": 1e-6, "use_sliding_window": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "mixtral": {
+        "model_type": "mixtral", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+        "sliding_window": None, "router_jitter_noise": 0.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "olmoe": {
+        "model_type": "olmoe", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "intermediate_size": 32, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False,
+        "clip_qkv": 1.5, "rms_norm_eps": 1e-5, "attention_bias": False, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+
+
+def tiny_config(arch: str) -> dict[str, Any]:
+    return {**_COMMON, **TINY_CONFIGS[arch]}
+
+
+# ---- making checkpoints -------------------------------------------------------------------
+def _value(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Seeded weights with O(1) activations and well-separated logits (so greedy decoding is
+    decided by clear margins, not by rounding)."""
+    z = rng.standard_normal(shape, dtype=np.float32)
+    if name.endswith("norm"):
+        return 1.0 + 0.1 * z
+    if name.endswith(("bq", "bk", "bv", "router_bias")):
+        return 0.1 * z
+    return z / np.float32(np.sqrt(shape[-1]))
+
+
+def write_tiny_checkpoint(arch: str, out_dir: Path, seed: int) -> Path:
+    """config.json + model.safetensors in the source layout, float32, weights from `seed`."""
+    cfg = tiny_config(arch)
+    adapter = adapter_for(arch)
+    args = adapter.model_args(cfg)
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, np.ndarray] = {}
+    for name, shape in dense_shapes(args).items():
+        tensors[adapter.source_name(name)] = _value(rng, name, shape)
+    i_, d = args.moe_intermediate_size, args.hidden_size
+    for layer in args.moe_layer_ids:
+        for e in range(args.n_routed_experts):
+            for part, shape in (("gate", (i_, d)), ("up", (i_, d)), ("down", (d, i_))):
+                tensors[adapter.expert_source_name(layer, e, part)] = _value(rng, part, shape)  # type: ignore[arg-type]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    save_file(dict(sorted(tensors.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def synth_writer() -> Callable[[str, Path, int], Path] | None:
+    """The project's synth, once it exists."""
+    if importlib.util.find_spec(SYNTH_MODULE) is None:
+        return None
+    return getattr(importlib.import_module(SYNTH_MODULE), "write_hf_checkpoint", None)
+
+
+def default_generator() -> str:
+    return SYNTH_MODULE if synth_writer() is not None else HELPER_GENERATOR
+
+
+def make_checkpoint(generator: str, preset: str, out_dir: Path, seed: int) -> Path:
+    """Rebuild the checkpoint of (generator, preset, seed); returns its directory."""
+    if generator == SYNTH_MODULE:
+        writer = synth_writer()
+        if writer is None:
+            raise RuntimeError(f"{SYNTH_MODULE}.write_hf_checkpoint is not available")
+        return Path(writer(preset, out_dir, seed))
+    if generator == HELPER_GENERATOR:
+        return write_tiny_checkpoint(preset.removeprefix("tiny-"), out_dir, seed)
+    raise ValueError(f"unknown checkpoint generator {generator!r}")
+
+
+def checkpoint_checksum(ckpt: Path) -> str:
+    """xxh3_64 over the safetensors files (names and bytes, in name order)."""
+    h = xxhash.xxh3_64()
+    for f in sorted(ckpt.glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+# ---- loading through the adapters ---------------------------------------------------------
+def load_checkpoint(ckpt: Path) -> tuple[ModelArgs, dict[str, QTensor], dict[tuple[int, int], ExpertWeights]]:
+    """A Hugging Face checkpoint -> (ModelArgs, canonical dense f32 QTensors, expert records)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    adapter = adapter_for(cfg.get("model_type"))
+    args = adapter.model_args(cfg)
+    dense: dict[str, QTensor] = {}
+    parts: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        for name, arr in load_file(str(f)).items():
+            target = adapter.target(name, args)
+            a = np.asarray(arr, dtype=np.float32)
+            if isinstance(target, Dense):
+                dense[target.name] = quantize(a, "f32")
+            elif isinstance(target, Expert):
+                parts.setdefault((target.layer, target.expert), {})[target.part] = a
+            elif isinstance(target, FusedExperts):
+                for e, m in enumerate(a):
+                    p = parts.setdefault((target.layer, e), {})
+                    if target.part == "gate_up":
+                        p["gate"], p["up"] = np.split(m, 2, axis=0)
+                    else:
+                        p["down"] = m
+    experts = {
+        key: ExpertWeights(*(quantize(np.ascontiguousarray(p[k]), "f32") for k in ("gate", "up", "down")))
+        for key, p in parts.items()
+    }
+    return args, dense, experts
+
+
+def build_model(ckpt: Path, ops: Ops | None = None, **kw: Any) -> Model:
+    ops = ops or ReferenceOps()
+    args, dense, experts = load_checkpoint(ckpt)
+    return Model(args, dense, ops, DictExperts(experts, ops), **kw)
+
+
+def prompt_ids(vocab_size: int, seed: int, n: int = 24) -> np.ndarray:
+    return np.random.default_rng(seed + 1_000_003).integers(2, vocab_size, size=n).astype(np.int64)
+
+
+# ---- the oracle ---------------------------------------------------------------------------
+def hf_available() -> bool:
+    return importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+
+
+def hf_reference(ckpt: Path, prompt: np.ndarray, n_new: int) -> dict[str, np.ndarray]:
+    """transformers (float32, eager attention, eager experts): teacher-forced logits [T, V]
+    over the prompt, and a greedy continuation of n_new tokens with each step's top-2 gap."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(ckpt), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+        output_loading_info=True,
+    )
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        raise RuntimeError(f"transformers did not load {ckpt} cleanly: {bad}")
+    model.eval()
+    with torch.no_grad():
+        ids = torch.tensor(prompt[None, :], dtype=torch.long)
+        out = model(input_ids=ids, use_cache=True)
+        logits = out.logits[0].float().numpy().copy()  # [T, V]
+        cache = out.cache
+        nxt = out.logits[0, -1]
+        tokens, gaps = [], []
+        for _ in range(n_new):
+            top2 = torch.topk(nxt, 2).values
+            gaps.append(float(top2[0] - top2[1]))
+            tok = int(torch.argmax(nxt))
+            tokens.append(tok)
+            out = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True)
+            cache = out.cache
+            nxt = out.logits[0, -1]
+    return {
+        "logits": logits.astype(np.float32),
+        "greedy": np.asarray(tokens, dtype=np.int64),
+        "greedy_gap": np.asarray(gaps, dtype=np.float32),
+    }
