@@ -197,12 +197,12 @@ class Container:
                 self._where[name] = df
         want = planned_dense(self.args, self.quantization["dense"], self.quantization["group_size"])
         for name, spec in want.items():
-            df = self._where.get(name)
-            if df is None:
+            holder = self._where.get(name)
+            if holder is None:
                 raise FormatError(f"dense tensor {name!r} is missing from {DENSE_DIR}/")
-            if df.specs[name] != spec:
-                got = df.specs[name]
-                raise FormatError(f"{df.label}: tensor {name!r} is {got.dtype}{list(got.shape)} g={got.group_size}, "
+            if holder.specs[name] != spec:
+                got = holder.specs[name]
+                raise FormatError(f"{holder.label}: tensor {name!r} is {got.dtype}{list(got.shape)} g={got.group_size}, "
                                   f"expected {spec.dtype}{list(spec.shape)} g={spec.group_size}")
         extra = sorted(set(self._where) - set(want))
         if extra:

@@ -13,6 +13,7 @@ tensor is naturally aligned for a memmap view.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -96,19 +97,19 @@ def read_header(path: Path, label: str | None = None) -> Header:
         try:
             tag = str(ent["dtype"])
             shape = tuple(int(x) for x in ent["shape"])
-            b, e = (int(x) for x in ent["data_offsets"])
+            b, end = (int(x) for x in ent["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise FormatError(f"{label}: tensor {name!r} has a malformed header entry") from exc
         if tag not in DTYPES:
             raise FormatError(f"{label}: tensor {name!r} has unsupported dtype {tag}")
         want = int(np.prod(shape, dtype=np.int64)) * DTYPES[tag].itemsize
-        if e - b != want or b < 0:
-            raise FormatError(f"{label}: tensor {name!r} spans {e - b} bytes at offset {b}, "
+        if end - b != want or b < 0:
+            raise FormatError(f"{label}: tensor {name!r} spans {end - b} bytes at offset {b}, "
                               f"its shape {list(shape)} {tag} needs {want}")
-        if data_start + e > size:
-            raise FormatError(f"{label}: tensor {name!r} ends at byte {data_start + e} "
+        if data_start + end > size:
+            raise FormatError(f"{label}: tensor {name!r} ends at byte {data_start + end} "
                               f"but the file has {size} bytes (truncated)")
-        infos.append(TensorInfo(name, tag, shape, data_start + b, data_start + e))
+        infos.append(TensorInfo(name, tag, shape, data_start + b, data_start + end))
     infos.sort(key=lambda t: t.begin)
     pos = data_start
     for t in infos:
@@ -139,10 +140,9 @@ class MappedFile:
         base = getattr(mm, "_mmap", None)
         if base is not None:
             del mm
-            try:
+            # BufferError: a view is still alive; the map goes away with the last view
+            with contextlib.suppress(BufferError, ValueError):
                 base.close()
-            except (BufferError, ValueError):
-                pass  # a view is still alive; the map goes away with it
 
 
 class SafetensorsWriter:
@@ -181,7 +181,7 @@ class SafetensorsWriter:
         self.nbytes = self._data_start + pos
         self._written: set[str] = set()
         self._tmp = path.with_name(path.name + ".tmp")
-        self._f: BinaryIO | None = open(self._tmp, "wb")
+        self._f: BinaryIO | None = open(self._tmp, "wb")  # noqa: SIM115 -- owned until close/abort
         self._f.write(struct.pack("<Q", len(raw)) + raw)
         self._f.truncate(self.nbytes)
 
@@ -192,12 +192,12 @@ class SafetensorsWriter:
             raise RuntimeError(f"{self.path}: tensor {name!r} was not declared")
         if name in self._written:
             raise RuntimeError(f"{self.path}: tensor {name!r} written twice")
-        _, tag, shape, off, n = self._places[name]
+        _, tag, shape, off, _ = self._places[name]
         a = np.ascontiguousarray(array)
         dt = DTYPES[tag]
         if tuple(a.shape) != shape or (a.dtype.kind, a.dtype.itemsize) != (dt.kind, dt.itemsize):
             raise RuntimeError(f"{self.path}: tensor {name!r} is {a.dtype}{list(a.shape)}, declared {tag}{list(shape)}")
-        os.pwrite(self._f.fileno(), memoryview(a).cast("B"), self._data_start + off)
+        os.pwrite(self._f.fileno(), a.reshape(-1).view(np.uint8).data, self._data_start + off)
         self._written.add(name)
 
     def close(self) -> None:

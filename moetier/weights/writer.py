@@ -128,6 +128,12 @@ class ContainerWriter:
             self._fds[layer] = fd
         return fd
 
+    def expert_file(self, layer: int) -> Path:
+        """Create and size a layer's expert file; returns its path (for writers in other processes,
+        which then declare their records with `note_record`)."""
+        self._fd(layer)
+        return self.out / EXPERTS_DIR / expert_file_name(layer)
+
     def write_record(self, layer: int, expert: int, ew: ExpertWeights) -> str:
         """Pack and write one expert's record at its fixed place; returns its checksum."""
         return self.write_record_bytes(layer, expert, self.layout.pack(ew))

@@ -1,0 +1,448 @@
+"""Random checkpoints of named shapes (`moetier synth`).
+
+Every preset is a Hugging Face config.json (transformers 5 style) for one of the adapter
+architectures; its `ModelArgs` come from the adapter, like a real checkpoint's. Weights are
+drawn per tensor from a numpy Generator keyed by (seed, canonical name), so any tensor can
+be regenerated alone (`inspect` does, to measure quantization error) and the output does
+not depend on generation order or parallelism.
+
+Initialisation keeps activations in a sane range through every layer: matrices
+N(0, 1/fan_in) (output projections a further 1/sqrt(2) so the residual stream grows
+slowly), norms one, router rows N(0, 1/D) so routing logits have unit spread (routing is
+spread over experts, not degenerate), correction bias N(0, 0.01^2), biases N(0, 0.02^2).
+
+Two output formats: `write_hf_checkpoint` (safetensors with per-expert 2-D names via the
+adapter's inverse naming, loadable by transformers) and `write_container` (the moetier
+container, generated directly and streaming: each expert is generated, quantized and
+written, never a float copy of all experts).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+from tqdm import tqdm
+
+from moetier.convert.adapters import adapter_for
+from moetier.convert.tokenizer import BOS_ID, STOP_IDS, tokenizer_files
+from moetier.errors import InvalidArgument
+from moetier.model.config import ModelArgs
+from moetier.weights.format import EXPERTS_DIR, expert_file_name, xxh3_hex
+from moetier.weights.layout import RecordLayout, pack_part_into
+from moetier.weights.quant import QDType, bf16_bits, quantize
+from moetier.weights.safetensors_io import SafetensorsWriter
+from moetier.weights.schema import EXPERT_PARTS, dense_shapes, expert_shapes, tensor_class
+from moetier.weights.writer import ContainerWriter
+
+F32 = npt.NDArray[np.float32]
+HF_MAX_BYTES = 16 << 30  # a preset whose bf16 HF checkpoint is larger is container-only
+DENSE_FILE_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    config: dict[str, Any]  # Hugging Face config.json (transformers 5 style)
+    tokenizer_vocab: int  # target size of the project tokenizer shipped with it
+    materialize: bool = True  # False: shape only (planners), synth refuses to write it
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def args(self) -> ModelArgs:
+        return adapter_for(self.config["model_type"]).model_args(self.config)
+
+
+_ARCHITECTURES = {
+    "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
+}
+
+
+def _config(model_type: str, **kw: Any) -> dict[str, Any]:
+    rope = kw.pop("rope_parameters", None) or {"rope_theta": kw.pop("rope_theta", 10000.0), "rope_type": "default"}
+    cfg: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "attention_dropout": 0.0,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": list(STOP_IDS),
+        "dtype": "bfloat16",
+        "rope_parameters": rope,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def _mla(model_type: str, *, hidden: int, layers: int, first_dense: int, experts: int, top_k: int,
+         shared: int, moe_i: int, inter: int, heads: int, q_lora: int | None, kv_lora: int, nope: int,
+         rope: int, v: int, vocab: int, **kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, first_k_dense_replace=first_dense,
+                n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=shared,
+                moe_intermediate_size=moe_i, intermediate_size=inter, num_attention_heads=heads,
+                num_key_value_heads=heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
+                qk_rope_head_dim=rope, v_head_dim=v, attention_bias=False, rope_interleave=True)
+    if model_type == "deepseek_v3":
+        base.update(n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                    num_nextn_predict_layers=0)
+    else:
+        base.update(topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
+                    routed_scaling_factor=1.0)
+    base.update(kw)
+    return _config(model_type, **base)
+
+
+TINY_VOCAB = 512
+
+
+def _tiny() -> dict[str, Preset]:
+    gqa = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               num_experts_per_tok=2)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    cfgs = {
+        "deepseek_v3": _mla("deepseek_v3", hidden=64, layers=3, first_dense=1, experts=8, top_k=2, shared=1,
+                            moe_i=32, inter=128, heads=4, q_lora=32, kv_lora=32, nope=16, rope=8, v=16,
+                            vocab=TINY_VOCAB, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                            rope_parameters=yarn),
+        "deepseek_v2": _mla("deepseek_v2", hidden=64, layers=3, first_dense=1, experts=8, top_k=2, shared=2,
+                            moe_i=32, inter=128, heads=4, q_lora=None, kv_lora=32, nope=16, rope=8, v=16,
+                            vocab=TINY_VOCAB),
+        "glm4_moe": _config("glm4_moe", **gqa, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                            n_shared_experts=1, moe_intermediate_size=32, intermediate_size=128,
+                            use_qk_norm=True, attention_bias=True, n_group=1, topk_group=1, norm_topk_prob=True,
+                            routed_scaling_factor=2.5, num_nextn_predict_layers=0, rms_norm_eps=1e-5,
+                            rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
+                                             "partial_rotary_factor": 0.5}),
+        "qwen3_moe": _config("qwen3_moe", **gqa, num_hidden_layers=2, num_experts=8, moe_intermediate_size=48,
+                             intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                             attention_bias=False, use_sliding_window=False, sliding_window=None),
+        "qwen2_moe": _config("qwen2_moe", **gqa, num_hidden_layers=2, num_experts=8, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=64, intermediate_size=128, decoder_sparse_step=1,
+                             mlp_only_layers=[], norm_topk_prob=False, qkv_bias=True, use_sliding_window=False,
+                             sliding_window=None, max_window_layers=2),
+        "mixtral": _config("mixtral", **{**gqa, "head_dim": None}, num_hidden_layers=2, num_local_experts=8,
+                           intermediate_size=64, rms_norm_eps=1e-5, sliding_window=None, router_jitter_noise=0.0),
+        "olmoe": _config("olmoe", **{k: v for k, v in gqa.items() if k != "head_dim"}, num_hidden_layers=2, num_experts=8,
+                         intermediate_size=64, rms_norm_eps=1e-5, clip_qkv=None, norm_topk_prob=False,
+                         attention_bias=False),
+    }
+    return {f"tiny-{k}": Preset(f"tiny-{k}", f"test-sized {k}", v, TINY_VOCAB, tags=("tiny",)) for k, v in cfgs.items()}
+
+
+def _presets() -> dict[str, Preset]:
+    p = _tiny()
+    p["demo"] = Preset(
+        "demo", "the embedded default of `moetier up`: MLA deepseek_v3-style, ~180 MB of int4 experts",
+        _mla("deepseek_v3", hidden=512, layers=10, first_dense=1, experts=64, top_k=4, shared=1, moe_i=384,
+             inter=1536, heads=8, q_lora=192, kv_lora=128, nope=48, rope=16, v=48, vocab=4096,
+             n_group=4, topk_group=2, routed_scaling_factor=2.5, max_position_embeddings=4096),
+        4096)
+    p["olmoe-1b-7b"] = Preset(
+        "olmoe-1b-7b", "the shape of OLMoE-1B-7B (16 layers, 64 experts top-8)",
+        _config("olmoe", vocab_size=50304, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, intermediate_size=1024,
+                rms_norm_eps=1e-5, clip_qkv=None, norm_topk_prob=False, attention_bias=False,
+                max_position_embeddings=4096),
+        4096)
+    p["mini-glm"] = Preset(
+        "mini-glm", "DeepSeek-V2-Lite-sized MLA with a sigmoid router (~7.6 GB of int4 experts)",
+        _mla("deepseek_v3", hidden=2048, layers=27, first_dense=1, experts=64, top_k=6, shared=2, moe_i=1408,
+             inter=10944, heads=16, q_lora=None, kv_lora=512, nope=128, rope=64, v=128, vocab=102400,
+             routed_scaling_factor=1.0, max_position_embeddings=4096),
+        4096)
+    p["glm-5"] = Preset(
+        "glm-5", "GLM-5-class shape (744B parameters), for planners only",
+        _mla("deepseek_v3", hidden=6144, layers=78, first_dense=3, experts=256, top_k=8, shared=1, moe_i=2048,
+             inter=12288, heads=64, q_lora=2048, kv_lora=512, nope=192, rope=64, v=256, vocab=154880,
+             routed_scaling_factor=2.5, max_position_embeddings=131072),
+        4096, materialize=False)
+    return p
+
+
+PRESETS: dict[str, Preset] = _presets()
+
+
+def preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise InvalidArgument(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def preset_args(name: str) -> ModelArgs:
+    return preset(name).args
+
+
+def expert_record_bytes(args: ModelArgs, experts: QDType = "int4", group_size: int = 64) -> int:
+    return RecordLayout.build(args.moe_intermediate_size, args.hidden_size, experts, group_size).record_bytes
+
+
+def total_expert_bytes(args: ModelArgs, experts: QDType = "int4", group_size: int = 64) -> int:
+    return len(args.moe_layer_ids) * args.n_routed_experts * expert_record_bytes(args, experts, group_size)
+
+
+def _refuse_shape_only(p: Preset) -> None:
+    if not p.materialize:
+        gb = total_expert_bytes(p.args) / 1e9
+        raise InvalidArgument(f"preset {p.name!r} is shape-only: its int4 experts alone would take {gb:,.0f} GB; "
+                              "synth does not materialise it (its ModelArgs are available to planners)")
+
+
+# ---- weights ---------------------------------------------------------------------------------
+def _rng(seed: int, key: str) -> np.random.Generator:
+    return np.random.default_rng([seed, xxhash.xxh3_64_intdigest(key.encode())])
+
+
+def _std(name: str, shape: tuple[int, ...], d: int) -> float:
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("router", "shared_gate", "lm_head"):
+        return 1.0 / np.sqrt(d)
+    if leaf == "embed":
+        return 1.0
+    if leaf == "router_bias":
+        return 0.01
+    if leaf in ("bq", "bk", "bv"):
+        return 0.02
+    std = 1.0 / np.sqrt(shape[-1])
+    if leaf in ("wo", "w_down", "down"):
+        std /= np.sqrt(2.0)
+    return float(std)
+
+
+def dense_tensor(name: str, shape: tuple[int, ...], seed: int, hidden: int) -> F32:
+    """The float32 source of a dense tensor of a synth model."""
+    if "norm" in name.rsplit(".", 1)[-1]:
+        return np.ones(shape, dtype=np.float32)
+    x = _rng(seed, name).standard_normal(shape, dtype=np.float32)
+    x *= np.float32(_std(name, shape, hidden))
+    return x
+
+
+def expert_tensor(layer: int, expert: int, part: str, shape: tuple[int, ...], seed: int) -> F32:
+    """The float32 source of one routed expert matrix of a synth model."""
+    x = _rng(seed, f"layers.{layer}.experts.{expert}.{part}").standard_normal(shape, dtype=np.float32)
+    x *= np.float32(_std(part, shape, shape[-1]))
+    return x
+
+
+# ---- Hugging Face format ----------------------------------------------------------------------
+_HF_TAG = {"bf16": "BF16", "f32": "F32", "f16": "F16"}
+
+
+Gen = Callable[[int], F32]
+
+
+def _fused_gate_up(layer: int, e_count: int, ex: dict[str, tuple[int, ...]], seed: int) -> F32:
+    return np.stack([np.concatenate([expert_tensor(layer, e, "gate", ex["gate"], seed),
+                                     expert_tensor(layer, e, "up", ex["up"], seed)]) for e in range(e_count)])
+
+
+def _fused_down(layer: int, e_count: int, ex: dict[str, tuple[int, ...]], seed: int) -> F32:
+    return np.stack([expert_tensor(layer, e, "down", ex["down"], seed) for e in range(e_count)])
+
+
+def _dense_gen(name: str, shape: tuple[int, ...], hidden: int, seed: int) -> F32:
+    return dense_tensor(name, shape, seed, hidden)
+
+
+def _expert_gen(layer: int, e: int, part: str, shape: tuple[int, ...], seed: int) -> F32:
+    return expert_tensor(layer, e, part, shape, seed)
+
+
+def _hf_tensors(p: Preset, fused: bool) -> list[tuple[str, tuple[int, ...], Gen]]:
+    """(source name, shape, generator(seed)) in checkpoint order."""
+    args = p.args
+    ad = adapter_for(p.config["model_type"])
+    shapes = dense_shapes(args)
+    ex = expert_shapes(args)
+    d, e_count, inter = args.hidden_size, args.n_routed_experts, args.moe_intermediate_size
+    out: list[tuple[str, tuple[int, ...], Gen]] = []
+
+    def dense(n: str) -> None:
+        out.append((ad.source_name(n), shapes[n], partial(_dense_gen, n, shapes[n], d)))
+
+    dense("embed")
+    for i in range(args.num_layers):
+        for n in shapes:
+            if n.startswith(f"layers.{i}."):
+                dense(n)
+        if not args.moe_layers[i]:
+            continue
+        if fused:
+            out.append((f"model.layers.{i}.mlp.experts.gate_up_proj", (e_count, 2 * inter, d),
+                        partial(_fused_gate_up, i, e_count, ex)))
+            out.append((f"model.layers.{i}.mlp.experts.down_proj", (e_count, d, inter),
+                        partial(_fused_down, i, e_count, ex)))
+            continue
+        for e in range(e_count):
+            for part in ("gate", "up", "down"):
+                out.append((ad.expert_source_name(i, e, part), ex[part], partial(_expert_gen, i, e, part, ex[part])))
+    dense("final_norm")
+    if "lm_head" in shapes:
+        dense("lm_head")
+    return out
+
+
+def _hf_cast(x: F32, dtype: str) -> np.ndarray:
+    if dtype == "bf16":
+        return bf16_bits(x)
+    return x.astype(np.float16) if dtype == "f16" else x
+
+
+def write_hf_checkpoint(preset: str, out_dir: Path, seed: int, *, dtype: str = "bf16",
+                        shard_bytes: int = 2 << 30, fused: bool = False) -> Path:
+    """A Hugging Face checkpoint directory (config, tokenizer, safetensors shards)."""
+    p = PRESETS[_known(preset)]
+    _refuse_shape_only(p)
+    if dtype not in _HF_TAG:
+        raise InvalidArgument(f"HF dtype {dtype!r} not one of {', '.join(_HF_TAG)}")
+    tensors = _hf_tensors(p, fused)
+    item = 4 if dtype == "f32" else 2
+    total = sum(int(np.prod(s)) * item for _, s, _ in tensors)
+    if total > HF_MAX_BYTES:
+        raise InvalidArgument(f"preset {preset!r} would be a {total / 1e9:.1f} GB HF checkpoint; "
+                              "use --format container, which streams it")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards: list[list[tuple[str, tuple[int, ...], Gen]]] = [[]]
+    size = 0
+    for t in tensors:
+        n = int(np.prod(t[1])) * item
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += n
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    weight_map: dict[str, str] = {}
+    for fname, shard in zip(names, shards, strict=True):
+        w = SafetensorsWriter(out_dir / fname, [(n, _HF_TAG[dtype], s) for n, s, _ in shard], {"format": "pt"})
+        for tname, _, gen in shard:
+            w.write(tname, _hf_cast(gen(seed), dtype))
+            weight_map[tname] = fname
+        w.close()
+    if len(shards) > 1:
+        idx = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(idx, indent=2) + "\n")
+    cfg = dict(p.config, dtype={"bf16": "bfloat16", "f32": "float32", "f16": "float16"}[dtype])
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    for name, data in tokenizer_files(p.tokenizer_vocab, p.args.max_position_embeddings).items():
+        (out_dir / name).write_bytes(data)
+    return out_dir
+
+
+def _known(name: str) -> str:
+    return preset(name).name
+
+
+# ---- container format -------------------------------------------------------------------------
+def _dense_groups(w: ContainerWriter) -> Iterator[list[str]]:
+    group: list[str] = []
+    size = 0
+    for name, spec in w.dense_specs.items():
+        n = sum(int(np.prod(s)) for _, _, s in spec.entries())
+        if group and size + n > DENSE_FILE_BYTES:
+            yield group
+            group, size = [], 0
+        group.append(name)
+        size += n
+    if group:
+        yield group
+
+
+def _synth_layer(job: tuple[Path, str, int, int, QDType, int]) -> list[str]:
+    """Generate, quantize and write every expert record of one layer; returns their checksums."""
+    out, name, seed, layer, experts, g = job
+    args = PRESETS[name].args
+    layout = RecordLayout.build(args.moe_intermediate_size, args.hidden_size, experts, g)
+    shapes = expert_shapes(args)
+    sums = []
+    fd = os.open(out / EXPERTS_DIR / expert_file_name(layer), os.O_RDWR)
+    try:
+        buf = bytearray(layout.record_bytes)
+        for e in range(args.n_routed_experts):
+            buf[:] = bytes(layout.record_bytes)
+            for part in EXPERT_PARTS:
+                q = quantize(expert_tensor(layer, e, part, shapes[part], seed), experts, g)
+                pack_part_into(layout.part(part), q, buf, 0)
+            os.pwrite(fd, buf, e * layout.record_bytes)
+            sums.append(xxh3_hex(buf))
+    finally:
+        os.close(fd)
+    return sums
+
+
+def write_container(preset: str, out_dir: Path, seed: int, experts: QDType = "int4", dense: QDType = "int8",
+                    group_size: int = 64, *, workers: int | None = None, progress: bool = False) -> Path:
+    """Generate a container directly: dense tensors file by file, experts layer by layer
+    (in `workers` processes), each expert generated, quantized and written on its own."""
+    p = PRESETS[_known(preset)]
+    _refuse_shape_only(p)
+    args = p.args
+    out_dir.mkdir(parents=True, exist_ok=True)
+    w = ContainerWriter(out_dir, args, experts, dense, group_size)
+    for k, group in enumerate(_dense_groups(w), start=1):
+        f = w.dense_file(k, group)
+        for name in group:
+            spec = w.dense_specs[name]
+            x = dense_tensor(name, spec.shape, seed, args.hidden_size)
+            f.add(name, quantize(x, spec.dtype, group_size))
+        f.close()
+    layers = args.moe_layer_ids
+    for li in layers:
+        w.expert_file(li)  # created and sized here; workers write records into it
+    jobs = [(out_dir, preset, seed, li, experts, group_size) for li in layers]
+    n_workers = workers if workers is not None else (min(os.cpu_count() or 1, len(jobs))
+                                                      if total_expert_bytes(args, experts, group_size) > (64 << 20)
+                                                      else 1)
+    bar = tqdm(total=len(jobs), unit="layer", desc=f"synth {preset}", disable=not progress)
+    if n_workers > 1:
+        with mp.get_context("spawn").Pool(n_workers) as pool:
+            results = []
+            for r in pool.imap(_synth_layer, jobs):
+                results.append(r)
+                bar.update(1)
+    else:
+        results = []
+        for j in jobs:
+            results.append(_synth_layer(j))
+            bar.update(1)
+    bar.close()
+    for li, sums in zip(layers, results, strict=True):
+        for e, ck in enumerate(sums):
+            w.note_record(li, e, ck)
+    cfg = json.dumps(dict(p.config, dtype="bfloat16"), indent=2) + "\n"
+    copies: dict[str, bytes | Path] = {"config.json": cfg.encode()}
+    copies.update(tokenizer_files(p.tokenizer_vocab, args.max_position_embeddings))
+    source = {"kind": "synth", "model_type": p.config["model_type"], "preset": preset, "seed": seed, "files": {}}
+    w.finish(source, copies)
+    return out_dir
+
+
+def describe(name: str) -> dict[str, Any]:
+    """Size figures of a preset without building it."""
+    p = preset(name)
+    args = p.args
+    return {"preset": name, "arch": args.arch, "layers": args.num_layers, "moe_layers": len(args.moe_layer_ids),
+            "experts": args.n_routed_experts, "top_k": args.num_experts_per_tok,
+            "record_bytes_int4": expert_record_bytes(args), "expert_bytes_int4": total_expert_bytes(args),
+            "dense_params": sum(int(np.prod(s)) for s in dense_shapes(args).values()),
+            "materialize": p.materialize, "exact_tensors": sum(
+                1 for n, s in dense_shapes(args).items() if tensor_class(n, s) == "exact")}
