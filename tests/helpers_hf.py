@@ -119,9 +119,10 @@ def _value(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.nd
     return z / np.float32(np.sqrt(shape[-1]))
 
 
-def write_tiny_checkpoint(arch: str, out_dir: Path, seed: int) -> Path:
-    """config.json + model.safetensors in the source layout, float32, weights from `seed`."""
-    cfg = tiny_config(arch)
+def write_tiny_checkpoint(arch: str, out_dir: Path, seed: int, overrides: dict[str, Any] | None = None) -> Path:
+    """config.json + model.safetensors in the source layout, float32, weights from `seed`;
+    `overrides` change config fields (variants the live tests compare)."""
+    cfg = {**tiny_config(arch), **(overrides or {})}
     adapter = adapter_for(arch)
     args = adapter.model_args(cfg)
     rng = np.random.default_rng(seed)
