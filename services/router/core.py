@@ -1,0 +1,131 @@
+"""The router's domain: registry + scheduler + worker channels + metrics, wired together.
+
+The servicer converts and delegates here; nothing in this module sees a servicer context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from moetier.errors import InvalidArgument, ResourceExhausted, Unavailable
+from moetier.rpc.v1 import generate_pb2
+from moetier.settings import Settings
+from services.router.metrics import RouterMetrics
+from services.router.registry import LeaveReason, LoadReport, Member, MemberInfo, MemberKind, Registry
+from services.router.scheduler import Route, Scheduler
+from services.router.workers import WorkerClients
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemberStatus:
+    member: Member
+    last_seen_s: float
+    in_flight: int
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    members: list[MemberStatus]
+    queued: int
+    queue_capacity: int
+
+
+def _outcome(exc: BaseException | None) -> str:
+    if exc is None:
+        return "ok"
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "cancelled"
+    if isinstance(exc, ResourceExhausted):
+        return "rejected"
+    if isinstance(exc, Unavailable):
+        return "unavailable"
+    if isinstance(exc, InvalidArgument):
+        return "invalid"
+    return "error"
+
+
+class RouterCore:
+    def __init__(self, settings: Settings) -> None:
+        self.registry = Registry(settings.heartbeat_interval_s, settings.member_expiry_s)
+        self.scheduler = Scheduler(self.registry, settings.queue_capacity,
+                                   default_max_batch=settings.inference.max_batch_size,
+                                   default_max_waiting=settings.inference.max_waiting)
+        self.workers = WorkerClients(self.registry)
+        # No generation outlives the gateway's own deadline for it: that is the longest a
+        # worker call may run when the caller set no deadline of its own.
+        self.max_request_s = settings.gateway.request_timeout_s
+        self.metrics = RouterMetrics()
+        self.metrics.observe_state(lambda: self.scheduler.queued, self.scheduler.queue_capacity,
+                                   lambda: self.scheduler.in_flight_total, self.registry.count)
+        self.registry.add_listener(self._count_departure)
+        self._expiry: asyncio.Task[None] | None = None
+
+    def _count_departure(self, member: Member, left: LeaveReason | None) -> None:
+        if left is not None:
+            self.metrics.departures.labels(reason=left).inc()
+
+    async def start(self) -> None:
+        self._expiry = asyncio.get_running_loop().create_task(self.registry.run_expiry())
+
+    async def stop(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+        await self.workers.close()
+
+    # -- membership --------------------------------------------------------------------
+
+    def register(self, info: MemberInfo) -> None:
+        self.registry.register(info)
+
+    def heartbeat(self, member_id: str, load: LoadReport | None) -> bool:
+        return self.registry.heartbeat(member_id, load)
+
+    def status(self) -> ClusterView:
+        members = sorted(self.registry.members(), key=lambda m: (m.info.kind.value, m.member_id))
+        return ClusterView(
+            members=[MemberStatus(m, self.registry.seconds_since_seen(m), self.scheduler.in_flight(m.member_id))
+                     for m in members],
+            queued=self.scheduler.queued, queue_capacity=self.scheduler.queue_capacity)
+
+    def count(self, kind: MemberKind) -> int:
+        return self.registry.count(kind)
+
+    # -- generation --------------------------------------------------------------------
+
+    async def generate(self, route: Route, request: generate_pb2.GenerateRequest,
+                       time_remaining_s: float | None) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
+        """Queue, route and relay one request. `time_remaining_s`: the caller's deadline."""
+        started = time.monotonic()
+        budget = self.max_request_s if time_remaining_s is None else min(time_remaining_s, self.max_request_s)
+        error: BaseException | None = None
+        try:
+            try:
+                async with asyncio.timeout(budget):
+                    lease = await self.scheduler.acquire(route)
+            except TimeoutError:
+                raise Unavailable(f"request {route.request_id!r} waited {budget:.1f} s in the router "
+                                  "queue without a free worker") from None
+            try:
+                self.metrics.queue_time.observe(lease.queued_s)
+                self.metrics.routed.labels(reason=lease.reason).inc()
+                remaining = budget - (time.monotonic() - started)
+                async with contextlib.aclosing(self.workers.generate(lease, request, remaining)) as stream:
+                    async for msg in stream:
+                        yield msg
+            finally:
+                lease.release()
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self.metrics.requests.labels(outcome=_outcome(error)).inc()
+            self.metrics.request_time.observe(time.monotonic() - started)

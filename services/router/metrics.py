@@ -1,0 +1,90 @@
+"""The router's Prometheus metrics: this module owns every metric object.
+
+Each router has its own CollectorRegistry (several routers can live in one test
+process). Gauges read the live state through callbacks, so there is no copy of it
+to keep in step. Labels are bounded: outcome, reason, kind.
+
+| metric | type | labels | meaning |
+|---|---|---|---|
+| moetier_router_requests_total | counter | outcome | Generate calls by how they ended: ok, cancelled (by the caller), rejected (queue full), unavailable (no worker, or it failed), invalid (bad request), error (anything else) |
+| moetier_router_routed_total | counter | reason | requests sent to a worker, by why that worker: session, prefix, least_load |
+| moetier_router_queue_depth | gauge | | requests waiting in the router's queue |
+| moetier_router_queue_capacity | gauge | | size of that queue (settings.queue_capacity) |
+| moetier_router_queue_time_seconds | histogram | | time requests waited in the router's queue before being sent |
+| moetier_router_request_seconds | histogram | | time from the router receiving a request to its stream's end |
+| moetier_router_in_flight | gauge | | requests the router has running on workers |
+| moetier_router_members | gauge | kind | registered members: dense_worker, expert_store |
+| moetier_router_member_departures_total | counter | reason | members dropped from the routing table: expired (silent), failed (mid-stream), replaced (new address) |
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import get_args
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from services.router.registry import LeaveReason, MemberKind
+from services.router.scheduler import Reason
+
+log = logging.getLogger(__name__)
+
+OUTCOMES = ("ok", "cancelled", "rejected", "unavailable", "invalid", "error")
+_QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("moetier_router_requests", "Generate calls by outcome.", ["outcome"],
+                                registry=r)
+        self.routed = Counter("moetier_router_routed", "Requests sent to a worker, by routing reason.",
+                              ["reason"], registry=r)
+        self.queue_depth = Gauge("moetier_router_queue_depth", "Requests waiting in the router queue.",
+                                 registry=r)
+        self.queue_capacity = Gauge("moetier_router_queue_capacity", "Capacity of the router queue.",
+                                    registry=r)
+        self.queue_time = Histogram("moetier_router_queue_time_seconds",
+                                    "Time requests waited in the router queue.", buckets=_QUEUE_BUCKETS,
+                                    registry=r)
+        self.request_time = Histogram("moetier_router_request_seconds",
+                                      "Time from receiving a request to the end of its stream.",
+                                      buckets=_REQUEST_BUCKETS, registry=r)
+        self.in_flight = Gauge("moetier_router_in_flight", "Requests running on workers.", registry=r)
+        self.members = Gauge("moetier_router_members", "Registered members by kind.", ["kind"], registry=r)
+        self.departures = Counter("moetier_router_member_departures",
+                                  "Members dropped from the routing table, by reason.", ["reason"],
+                                  registry=r)
+        # Every label value exists from the start, so rates and dashboards see zeros, not gaps.
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome=outcome)
+        for reason in get_args(Reason):
+            self.routed.labels(reason=reason)
+        for leave in get_args(LeaveReason):
+            self.departures.labels(reason=leave)
+
+    def observe_state(self, queue_depth: Callable[[], int], queue_capacity: int,
+                      in_flight: Callable[[], int], members: Callable[[MemberKind], int]) -> None:
+        """Point the gauges at the live state."""
+        self.queue_depth.set_function(queue_depth)
+        self.queue_capacity.set(queue_capacity)
+        self.in_flight.set_function(in_flight)
+        for kind in MemberKind:
+            self.members.labels(kind=kind.value).set_function(lambda k=kind: members(k))  # type: ignore[misc]
+
+    def serve(self, host: str, port: int) -> Callable[[], None] | None:
+        """Serve /metrics on host:port (port 0: not at all); returns the stopper."""
+        if port == 0:
+            return None
+        httpd, thread = start_http_server(port, addr=host, registry=self.registry)
+        log.info("metrics on http://%s:%d/metrics", host, port)
+
+        def stop() -> None:
+            httpd.shutdown()
+            httpd.server_close()
+            thread.join(timeout=5)
+
+        return stop
