@@ -357,7 +357,7 @@ async def test_queue_overflow_is_resource_exhausted_with_retry_hint(
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await h.run([3])
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    retry = dict(e.value.trailing_metadata() or ())[RETRY_AFTER_KEY]  # type: ignore[arg-type]
+    retry = dict(e.value.trailing_metadata() or ())[RETRY_AFTER_KEY]
     assert 100 <= int(retry) <= 30_000
     assert h.metric("moetier_router_requests_total", outcome="rejected") == 1
     assert len(w.fake.requests) == 1  # the worker never saw more than its capacity
@@ -462,7 +462,7 @@ async def test_worker_resource_exhausted_passes_through(router: Harness) -> None
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await router.run([1])
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert dict(e.value.trailing_metadata() or ())[RETRY_AFTER_KEY] == "2500"  # type: ignore[arg-type]
+        assert dict(e.value.trailing_metadata() or ())[RETRY_AFTER_KEY] == "2500"
         assert [m.member_id for m in (await router.status()).members] == ["full"]  # not a failure
     finally:
         await server.stop(0)
