@@ -1,0 +1,381 @@
+"""Streaming, resumable Hugging Face -> container conversion (`moetier convert`).
+
+One source shard is mapped at a time. Its dense tensors are quantized and written as one
+dense file; its expert matrices are quantized and, when an expert's gate, up and down are
+all known, packed into the expert's record, which has a fixed place in its layer file.
+An expert split across shards leaves its finished parts in a spill directory (quantized,
+so bounded by the quantized size of the split experts) until the rest arrives.
+
+After each shard the expert files are fsynced and one JSON line is appended (and fsynced)
+to the journal: the dense file, the records and their checksums, spilled and consumed
+parts, the shard's checksum and its quantization-error sums. A rerun after any kill
+replays the journal, skips finished shards and redoes the interrupted one; every byte
+written depends only on the source and the options (fixed order, no timestamps), so the
+final container is byte-identical to an uninterrupted run. moetier.json comes last.
+
+Extra disk beyond the output: the spill (quantized parts) plus one dense file in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from moetier.convert.adapters import Dense, Expert, FusedExperts, UnknownTensor
+from moetier.convert.qerror import Stats, experts_sample, measure, merge, summary
+from moetier.convert.source import F32, SCALE_SUFFIX, HFSource, load_f32
+from moetier.errors import ConversionError, FormatError
+from moetier.weights.format import MANIFEST, atomic_write, canonical_json, fsync_dir, xxh3_file, xxh3_hex
+from moetier.weights.layout import pack_part_into
+from moetier.weights.quant import ExpertWeights, QDType, QTensor, quantize
+from moetier.weights.safetensors_io import MappedFile
+from moetier.weights.schema import DENSE_ALLOWED, EXPERT_PARTS, EXPERTS_ALLOWED, dense_shapes, expert_shapes
+from moetier.weights.writer import ContainerWriter
+
+log = logging.getLogger(__name__)
+
+JOURNAL = "convert.journal"
+SPILL = ".spill"
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    experts: QDType = "int4"
+    dense: QDType = "int8"
+    group_size: int = 64
+
+    def check(self) -> None:
+        if self.experts not in EXPERTS_ALLOWED:
+            raise ConversionError(f"--experts {self.experts}: choose one of {', '.join(EXPERTS_ALLOWED)}")
+        if self.dense not in DENSE_ALLOWED:
+            raise ConversionError(f"--dense {self.dense}: choose one of {', '.join(DENSE_ALLOWED)}")
+        if self.group_size <= 0 or self.group_size % 2:
+            raise ConversionError(f"--group-size {self.group_size}: must be a positive even number")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"experts": self.experts, "dense": self.dense, "group_size": self.group_size}
+
+
+PartKey = tuple[int, int, str]  # (layer, expert, part)
+
+
+class _Journal:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def read(self) -> list[dict[str, Any]]:
+        """Complete lines only: a line torn by a kill is dropped (its shard is redone)."""
+        if not self.path.exists():
+            return []
+        entries = []
+        for line in self.path.read_bytes().split(b"\n"):
+            if not line:
+                continue
+            try:
+                entries.append(json.loads(line))
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                break
+        return entries
+
+    def rewrite(self, entries: list[dict[str, Any]]) -> None:
+        """Drop a torn tail before appending more."""
+        data = b"".join(canonical_json(e) + b"\n" for e in entries)
+        if not self.path.exists() or self.path.read_bytes() != data:
+            atomic_write(self.path, data)
+
+    def append(self, entry: dict[str, Any]) -> None:
+        with open(self.path, "ab") as f:
+            f.write(canonical_json(entry) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+class Converter:
+    def __init__(self, src: Path, out: Path, opts: ConvertOptions,
+                 on_progress: Callable[[int], None] | None = None, progress: bool | None = None) -> None:
+        opts.check()
+        self.source = HFSource.open(src)
+        self.args = self.source.args
+        self.out = out
+        self.opts = opts
+        self.on_progress = on_progress
+        self.progress = progress
+        self.identity = xxh3_hex(canonical_json({"source": self.source.identity(), "options": opts.to_dict()}))
+        self.dense_want = dense_shapes(self.args)
+        self.expert_want = expert_shapes(self.args)
+        self.sample = set(experts_sample(self.args.n_routed_experts))
+        self.spill_dir = out / SPILL
+        self.journal = _Journal(out / JOURNAL)
+
+    # ---- output directory state ----------------------------------------------------------------
+    def _prepare(self) -> list[dict[str, Any]] | None:
+        """Journal entries to resume from; None when OUT already holds this conversion."""
+        out = self.out
+        if (out / MANIFEST).exists():
+            try:
+                m = json.loads((out / MANIFEST).read_bytes())
+                same = m["source"].get("identity") == self.identity
+            except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+                same = False
+            if not same:
+                raise ConversionError(f"{out} holds a different conversion (other source or options); "
+                                      "choose another output directory or remove it")
+            return None
+        entries = self.journal.read()
+        if entries:
+            head = entries[0]
+            if head.get("kind") != "start" or head.get("identity") != self.identity:
+                raise ConversionError(f"{out} holds an unfinished conversion of a different source or options; "
+                                      "choose another output directory or remove it")
+            self.journal.rewrite(entries)
+            return entries[1:]
+        if out.exists() and any(p.name not in (JOURNAL, JOURNAL + ".tmp") for p in out.iterdir()):
+            raise ConversionError(f"{out} is not empty and holds no moetier conversion; refusing to write into it")
+        out.mkdir(parents=True, exist_ok=True)
+        self.journal.rewrite([{"kind": "start", "identity": self.identity, "options": self.opts.to_dict(),
+                               "source": self.source.identity()}])
+        fsync_dir(out)
+        return []
+
+    # ---- main loop ----------------------------------------------------------------------------
+    def run(self) -> Path:
+        done = self._prepare()
+        if done is None:
+            log.info("%s already holds this conversion", self.out)
+            self._cleanup()
+            return self.out
+        w = ContainerWriter(self.out, self.args, self.opts.experts, self.opts.dense, self.opts.group_size)
+        seen_dense: set[str] = set()
+        seen_parts: set[PartKey] = set()
+        spilled: set[PartKey] = set()
+        stats: Stats = {}
+        files: dict[str, dict[str, Any]] = {}
+        n_dense_files = 0
+        done_shards = set()
+        for ent in done:
+            done_shards.add(ent["shard"])
+            if ent["dense"]:
+                n_dense_files += 1
+                w.note_dense_file(n_dense_files, ent["dense"])
+                seen_dense.update(ent["dense"])
+            for li, e, ck in ent["records"]:
+                w.note_record(li, e, ck)
+                seen_parts.update((li, e, p) for p in EXPERT_PARTS)
+            for key in ent["spilled"]:
+                spilled.add((key[0], key[1], key[2]))
+                seen_parts.add((key[0], key[1], key[2]))
+            for key in ent["consumed"]:
+                spilled.discard((key[0], key[1], key[2]))
+            merge(stats, ent["errors"])
+            files[ent["shard"]] = {"size": ent["size"], "xxh3_64": ent["xxh3_64"]}
+        total = sum(s.size for s in self.source.shards)
+        done_bytes = sum(s.size for s in self.source.shards if s.name in done_shards)
+        bar = tqdm(total=total, initial=done_bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                   desc="convert", disable=None if self.progress is None else not self.progress)
+        self._bytes = done_bytes
+        try:
+            for shard in self.source.shards:
+                if shard.name in done_shards:
+                    continue
+                ent = self._shard(shard, w, n_dense_files + 1, seen_dense, seen_parts, spilled, bar)
+                if ent["dense"]:
+                    n_dense_files += 1
+                self.journal.append(ent)
+                spilled.update((key[0], key[1], key[2]) for key in ent["spilled"])
+                for key in ent["consumed"]:
+                    spilled.discard((key[0], key[1], key[2]))
+                    (self.spill_dir / _spill_name(key[0], key[1], key[2])).unlink(missing_ok=True)
+                merge(stats, ent["errors"])
+                files[shard.name] = {"size": ent["size"], "xxh3_64": ent["xxh3_64"]}
+        finally:
+            bar.close()
+        self._check_complete(seen_dense, seen_parts)
+        src_files = {"config.json": {"size": len(self.source.config_bytes),
+                                     "xxh3_64": xxh3_hex(self.source.config_bytes)}}
+        index = self.source.root / "model.safetensors.index.json"
+        if index.is_file():
+            src_files[index.name] = {"size": index.stat().st_size, "xxh3_64": xxh3_file(index)}
+        src_files.update(files)
+        source = {"kind": "hf", "model_type": self.args.arch, "identity": self.identity,
+                  "files": dict(sorted(src_files.items()))}
+        copies: dict[str, bytes | Path] = dict(self.source.extra_files())
+        w.finish(source, copies, summary(stats, w.quantization))
+        self._cleanup()
+        return self.out
+
+    def _cleanup(self) -> None:
+        shutil.rmtree(self.spill_dir, ignore_errors=True)
+        (self.out / JOURNAL).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            (self.out / (JOURNAL + ".tmp")).unlink()
+
+    def _advance(self, n: int, bar: tqdm) -> None:
+        self._bytes += n
+        bar.update(n)
+        if self.on_progress is not None:
+            self.on_progress(self._bytes)
+
+    # ---- one shard ----------------------------------------------------------------------------
+    def _shard(self, shard: Any, w: ContainerWriter, dense_k: int, seen_dense: set[str],
+               seen_parts: set[PartKey], spilled: set[PartKey], bar: tqdm) -> dict[str, Any]:
+        mf = MappedFile(shard.path, f"shard {shard.name}")
+        ad, args, opts = self.source.adapter, self.args, self.opts
+        dense_q: dict[str, QTensor] = {}
+        parts: dict[tuple[int, int], dict[str, QTensor]] = {}
+        records: list[list[Any]] = []
+        consumed: list[list[Any]] = []
+        stats: Stats = {}
+        try:
+            for info in sorted(mf.header.tensors.values(), key=lambda t: t.begin):
+                name = info.name
+                if name.endswith(SCALE_SUFFIX):
+                    self._advance(info.nbytes, bar)
+                    continue  # FP8 block scales are read with their weight
+                try:
+                    target = ad.target(name, args)
+                except UnknownTensor as exc:
+                    raise ConversionError(f"{exc} (in shard {shard.name})") from exc
+                where = f"tensor {name!r} in {shard.name}"
+                if target is None or (isinstance(target, Dense) and target.name == "lm_head"
+                                      and args.tie_word_embeddings):
+                    self._advance(info.nbytes, bar)
+                    continue
+                if isinstance(target, Dense):
+                    want = self.dense_want.get(target.name)
+                    if want is None:
+                        raise ConversionError(f"{where} ({target.name}) is not part of this {args.arch} model shape")
+                    _check_shape(where, info.shape, want)
+                    if target.name in seen_dense:
+                        raise ConversionError(f"{where}: {target.name} appears twice in the checkpoint")
+                    seen_dense.add(target.name)
+                    x = load_f32(mf, info, shard.name)
+                    spec = w.dense_specs[target.name]
+                    q = quantize(x, spec.dtype, opts.group_size)
+                    dense_q[target.name] = q
+                    if spec.dtype != "f32":
+                        measure(stats, "dense", x, q, opts.group_size)
+                else:
+                    for li, e, part, x in self._expert_parts(target, info, mf, shard.name, where):
+                        key = (li, e, part)
+                        if key in seen_parts:
+                            raise ConversionError(f"{where}: layer {li} expert {e} {part} appears twice")
+                        seen_parts.add(key)
+                        q = quantize(x, opts.experts, opts.group_size)
+                        if e in self.sample:
+                            measure(stats, "experts", x, q, opts.group_size)
+                        have = parts.setdefault((li, e), {})
+                        have[part] = q
+                        self._maybe_record(w, li, e, have, spilled, records, consumed)
+                self._advance(info.nbytes, bar)
+            # parts still waiting for the rest of their expert: spill them (quantized)
+            spill: list[list[Any]] = []
+            for (li, e), have in sorted(parts.items()):
+                for part, q in sorted(have.items()):
+                    self._spill(li, e, part, q, w)
+                    spill.append([li, e, part])
+            dense_names = sorted(dense_q)
+            if dense_names:
+                f = w.dense_file(dense_k, dense_names)
+                for n in dense_names:
+                    f.add(n, dense_q[n])
+                f.close()
+            w.sync()
+            if spill:
+                fsync_dir(self.spill_dir)
+        finally:
+            mf.close()
+        return {"kind": "shard", "shard": shard.name, "size": shard.size, "xxh3_64": xxh3_file(shard.path),
+                "dense": dense_names, "records": sorted(records), "spilled": spill, "consumed": sorted(consumed),
+                "errors": stats}
+
+    def _expert_parts(self, target: Any, info: Any, mf: Any, shard: str,
+                      where: str) -> list[tuple[int, int, str, F32]]:
+        args = self.args
+        if target.layer >= args.num_layers or not args.moe_layers[target.layer]:
+            raise ConversionError(f"{where}: layer {target.layer} is not a MoE layer of this {args.arch} model")
+        e_count, inter, d = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
+        if isinstance(target, Expert):
+            if not 0 <= target.expert < e_count:
+                raise ConversionError(f"{where}: expert {target.expert} out of range ({e_count} experts)")
+            _check_shape(where, info.shape, self.expert_want[target.part])
+            return [(target.layer, target.expert, target.part, load_f32(mf, info, shard))]
+        assert isinstance(target, FusedExperts)
+        if target.part == "gate_up":
+            _check_shape(where, info.shape, (e_count, 2 * inter, d))
+            x = load_f32(mf, info, shard)
+            return [(target.layer, e, p, np.ascontiguousarray(x[e, s])) for e in range(e_count)
+                    for p, s in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter)))]
+        _check_shape(where, info.shape, (e_count, d, inter))
+        x = load_f32(mf, info, shard)
+        return [(target.layer, e, "down", np.ascontiguousarray(x[e])) for e in range(e_count)]
+
+    def _maybe_record(self, w: ContainerWriter, li: int, e: int, have: dict[str, QTensor],
+                      spilled: set[PartKey], records: list[list[Any]], consumed: list[list[Any]]) -> None:
+        """Write the record once all three parts are known (this shard's or spilled earlier)."""
+        from_spill = [p for p in EXPERT_PARTS if p not in have and (li, e, p) in spilled]
+        if len(have) + len(from_spill) < len(EXPERT_PARTS):
+            return
+        full = dict(have)
+        for part in from_spill:
+            full[part] = self._unspill(li, e, part, w)
+            consumed.append([li, e, part])
+        ck = w.write_record(li, e, ExpertWeights(gate=full["gate"], up=full["up"], down=full["down"]))
+        records.append([li, e, ck])
+        have.clear()  # done: nothing of this expert is left to spill
+
+    def _spill(self, li: int, e: int, part: str, q: QTensor, w: ContainerWriter) -> None:
+        p = w.layout.part(part)
+        buf = bytearray(p.end - p.data_offset)
+        pack_part_into(p, q, buf, -p.data_offset)
+        self.spill_dir.mkdir(exist_ok=True)
+        atomic_write(self.spill_dir / _spill_name(li, e, part), bytes(buf))
+
+    def _unspill(self, li: int, e: int, part: str, w: ContainerWriter) -> QTensor:
+        p = w.layout.part(part)
+        path = self.spill_dir / _spill_name(li, e, part)
+        try:
+            raw = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        except FileNotFoundError:
+            raise FormatError(f"{path}: spilled part of layer {li} expert {e} is missing; "
+                              "remove the output directory and convert again") from None
+        if raw.nbytes != p.end - p.data_offset:
+            raise FormatError(f"{path}: spilled part has {raw.nbytes} bytes, expected {p.end - p.data_offset}")
+        return p.view(raw, -p.data_offset)
+
+    def _check_complete(self, seen_dense: set[str], seen_parts: set[PartKey]) -> None:
+        args = self.args
+        want = [n for n in self.dense_want if n not in seen_dense]
+        want += [f"layer {li} expert {e} {p}" for li in args.moe_layer_ids for e in range(args.n_routed_experts)
+                 for p in EXPERT_PARTS if (li, e, p) not in seen_parts]
+        if want:
+            more = f" (+{len(want) - 5} more)" if len(want) > 5 else ""
+            raise ConversionError(f"checkpoint is missing tensors: {', '.join(want[:5])}{more}")
+
+
+def _spill_name(li: int, e: int, part: str) -> str:
+    return f"layer-{li:03d}-expert-{e:05d}-{part}.bin"
+
+
+def _check_shape(where: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(want):
+        raise ConversionError(f"{where} has shape {list(got)}, expected {list(want)} from config.json")
+
+
+def convert(src: Path, out: Path, opts: ConvertOptions | None = None, *,
+            on_progress: Callable[[int], None] | None = None, progress: bool | None = None) -> Path:
+    """Convert the HF checkpoint at `src` into a container at `out` (resuming if interrupted).
+
+    `on_progress(bytes_done)` is called after each source tensor; `progress` forces the
+    progress bar on or off (default: on when stderr is a terminal).
+    """
+    return Converter(src, out, opts or ConvertOptions(), on_progress, progress).run()
