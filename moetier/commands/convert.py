@@ -1,0 +1,30 @@
+"""`moetier convert SRC OUT`: Hugging Face safetensors checkpoint -> container (resumable)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from moetier.convert.converter import ConvertOptions, convert
+from moetier.errors import ConversionError
+
+
+def _run(args: argparse.Namespace) -> int:
+    opts = ConvertOptions(experts=args.experts, dense=args.dense, group_size=args.group_size)
+    try:
+        out = convert(Path(args.src), Path(args.out), opts)
+    except OSError as e:
+        raise ConversionError(f"{e.filename or args.out}: {e.strerror or e}") from e
+    print(f"converted {args.src} -> {out}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser("convert", help="convert a Hugging Face checkpoint to a container")
+    p.add_argument("src", help="checkpoint directory (config.json + safetensors) or a .safetensors file")
+    p.add_argument("out", help="output container directory (an interrupted conversion resumes)")
+    p.add_argument("--experts", choices=("int4", "int8", "bf16", "f32"), default="int4")
+    p.add_argument("--dense", choices=("int8", "bf16", "f32"), default="int8")
+    p.add_argument("--group-size", type=int, default=64)
+    p.set_defaults(func=_run)

@@ -1,0 +1,44 @@
+"""`moetier synth`: build a random checkpoint of a named shape (HF layout or a container)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from moetier.convert import synth
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.list:
+        for name in synth.PRESETS:
+            d = synth.describe(name)
+            shape_only = "" if d["materialize"] else "  (shape only)"
+            print(f"{name:<18} {d['arch']:<12} {d['layers']:>3} layers  {d['experts']:>3} experts top-{d['top_k']:<2}"
+                  f" {d['expert_bytes_int4'] / 1e9:>8.2f} GB int4 experts{shape_only}")
+        return 0
+    if not args.preset or not args.out:
+        print("moetier synth: --preset and --out are required (or --list)")
+        return 2
+    out = Path(args.out)
+    if args.format == "hf":
+        synth.write_hf_checkpoint(args.preset, out, args.seed, dtype=args.hf_dtype)
+    else:
+        synth.write_container(args.preset, out, args.seed, args.experts, args.dense, args.group_size,
+                              progress=True)
+    print(f"wrote {args.format} checkpoint of preset {args.preset} (seed {args.seed}) to {out}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser("synth", help="build a random checkpoint of a named shape")
+    p.add_argument("--preset", help="preset name (see --list)")
+    p.add_argument("--out", help="output directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", choices=("hf", "container"), default="container")
+    p.add_argument("--experts", choices=("int4", "int8", "bf16", "f32"), default="int4", help="container only")
+    p.add_argument("--dense", choices=("int8", "bf16", "f32"), default="int8", help="container only")
+    p.add_argument("--group-size", type=int, default=64, help="container only")
+    p.add_argument("--hf-dtype", choices=("bf16", "f32", "f16"), default="bf16", help="hf only")
+    p.add_argument("--list", action="store_true", help="list presets and their sizes")
+    p.set_defaults(func=_run)

@@ -1,0 +1,122 @@
+"""`moetier inspect`: what a container holds and what its quantization cost.
+
+The error figures are relative RMS per tensor class against the float source, with int4
+per-group and int4 per-row on the same tensors beside them. For a synth container the
+source tensors are regenerated from the preset and seed (a sample of layers and experts);
+for a converted checkpoint they were measured during conversion and stored in the manifest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from moetier.convert import synth
+from moetier.convert.qerror import Stats, experts_sample, measure, summary
+from moetier.weights.container import Container
+from moetier.weights.schema import EXPERT_PARTS, expert_shapes, tensor_class
+
+
+def _sample_layers(layers: list[int], n: int = 4) -> list[int]:
+    if len(layers) <= n:
+        return list(layers)
+    idx = np.linspace(0, len(layers) - 1, n).round().astype(int)
+    return sorted({layers[i] for i in idx})
+
+
+def synth_errors(c: Container) -> dict[str, Any]:
+    """Regenerate a sample of a synth container's source tensors and measure the stored ones."""
+    src = c.source
+    seed = int(src["seed"])
+    args, g = c.args, int(c.quantization["group_size"])
+    stats: Stats = {}
+    all_layers = list(range(args.num_layers))
+    layers = set(_sample_layers(all_layers))
+    for name in c.dense_names():
+        spec = c.dense_spec(name)
+        if tensor_class(name, spec.shape) != "dense":
+            continue
+        if name.startswith("layers.") and int(name.split(".")[1]) not in layers:
+            continue
+        x = synth.dense_tensor(name, spec.shape, seed, args.hidden_size)
+        measure(stats, "dense", x, c.dense(name), g)
+    shapes = expert_shapes(args)
+    for li in _sample_layers(args.moe_layer_ids):
+        for e in experts_sample(args.n_routed_experts):
+            ew = c.read_expert(li, e)
+            for part, q in zip(EXPERT_PARTS, (ew.gate, ew.up, ew.down), strict=True):
+                measure(stats, "experts", synth.expert_tensor(li, e, part, shapes[part], seed), q, g)
+    return summary(stats, c.quantization)
+
+
+def inspect_container(path: str, verify: bool = False) -> dict[str, Any]:
+    with Container.open(path, verify=verify) as c:
+        a = c.args
+        by_class: dict[str, int] = {}
+        for name in c.dense_names():
+            spec = c.dense_spec(name)
+            nbytes = sum(int(np.prod(s)) * (4 if t == "F32" else 2 if t in ("F16", "U16") else 1)
+                         for _, t, s in spec.entries())
+            cls = tensor_class(name, spec.shape)
+            by_class[cls] = by_class.get(cls, 0) + nbytes
+        by_class["experts"] = c.expert_bytes
+        if c.source.get("kind") == "synth":
+            errors, err_source = synth_errors(c), "regenerated from preset and seed (sampled layers and experts)"
+        elif "quant_error" in c.manifest:
+            errors, err_source = c.manifest["quant_error"], "measured during conversion (sampled experts)"
+        else:
+            errors, err_source = {}, "not recorded"
+        return {
+            "path": str(path),
+            "arch": a.arch,
+            "attention": a.attention,
+            "hidden_size": a.hidden_size,
+            "layers": a.num_layers,
+            "moe_layers": len(a.moe_layer_ids),
+            "experts": a.n_routed_experts,
+            "top_k": a.num_experts_per_tok,
+            "moe_intermediate_size": a.moe_intermediate_size,
+            "vocab_size": a.vocab_size,
+            "quantization": dict(c.quantization),
+            "record_bytes": c.layout.record_bytes,
+            "record_used_bytes": c.layout.used_bytes,
+            "expert_bytes": c.expert_bytes,
+            "bytes_by_class": by_class,
+            "total_bytes": sum(int(f["size"]) for f in c.files.values()),
+            "source": {k: v for k, v in c.source.items() if k != "files"},
+            "index_identity": c.index.identity,
+            "verified": verify,
+            "quant_error": errors,
+            "quant_error_source": err_source,
+        }
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    q = r["quantization"]
+    lines = [
+        f"container      {r['path']}",
+        f"architecture   {r['arch']} ({r['attention']}), hidden {r['hidden_size']}, vocab {r['vocab_size']}",
+        f"layers         {r['layers']} ({r['moe_layers']} MoE), {r['experts']} experts top-{r['top_k']}, "
+        f"expert intermediate {r['moe_intermediate_size']}",
+        f"quantization   experts {q['experts']}, dense {q['dense']}, group size {q['group_size']}",
+        f"expert record  {r['record_bytes']:,} bytes ({r['record_used_bytes']:,} used), "
+        f"{_mb(r['expert_bytes'])} of experts",
+        "bytes by class " + ", ".join(f"{k} {_mb(v)}" for k, v in sorted(r["bytes_by_class"].items())),
+        f"total          {_mb(r['total_bytes'])}",
+        "source         " + ", ".join(f"{k}={v}" for k, v in r["source"].items() if k != "identity"),
+        f"index identity {r['index_identity']}" + ("  (all checksums verified)" if r["verified"] else ""),
+        "",
+        f"quantization error, relative RMS vs source ({r['quant_error_source']}):",
+    ]
+    g = q["group_size"]
+    head = f"  {'class':<8} {'stored as':<10} {'tensors':>7} {'stored':>10} {'int4 g' + str(g):>10} {'int4 row':>10}"
+    lines.append(head)
+    for cls, e in r["quant_error"].items():
+        lines.append(f"  {cls:<8} {e['dtype']:<10} {e['tensors']:>7} {e['rel_rms']:>10.5f} "
+                     f"{e[f'int4_g{g}_rel_rms']:>10.5f} {e['int4_per_row_rel_rms']:>10.5f}")
+    return "\n".join(lines)
