@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -430,6 +431,19 @@ async def test_worker_killed_mid_stream_fails_fast_and_leaves_table(router: Harn
     assert (await router.run([1, 2, 3]))[0].worker_id == "b"
 
 
+async def test_worker_failing_before_first_token_is_routed_around(router: Harness) -> None:
+    with contextlib.closing(socket.socket()) as s:  # an address where nothing listens
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    await router.register("a", dead)  # wins the load tie
+    await router.add_worker("b")
+    msgs = await router.run([1, 2, 3])
+    assert msgs[0].worker_id == "b" and len(msgs) == 3
+    assert [m.member_id for m in (await router.status()).members] == ["b"]
+    assert router.metric("moetier_router_failovers_total") == 1
+    assert router.metric("moetier_router_requests_total", outcome="ok") == 1
+
+
 async def test_expired_worker_fails_its_streams_and_queue(make_router: Callable[..., Awaitable[Harness]]) -> None:
     h = await make_router(member_expiry_s=0.3)
     w = await h.add_worker("w1")
@@ -469,8 +483,6 @@ async def test_worker_resource_exhausted_passes_through(router: Harness) -> None
 
 
 async def test_metrics_endpoint(make_router: Callable[..., Awaitable[Harness]]) -> None:
-    import socket
-
     with contextlib.closing(socket.socket()) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

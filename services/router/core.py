@@ -17,10 +17,13 @@ from moetier.rpc.v1 import generate_pb2
 from moetier.settings import Settings
 from services.router.metrics import RouterMetrics
 from services.router.registry import LeaveReason, LoadReport, Member, MemberInfo, MemberKind, Registry
-from services.router.scheduler import Route, Scheduler
-from services.router.workers import WorkerClients
+from services.router.scheduler import Lease, Route, Scheduler
+from services.router.workers import WorkerClients, WorkerGone
 
 log = logging.getLogger(__name__)
+
+# Tries of a request whose worker fails before its first token (each on another worker).
+_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -96,36 +99,52 @@ class RouterCore:
                      for m in members],
             queued=self.scheduler.queued, queue_capacity=self.scheduler.queue_capacity)
 
-    def count(self, kind: MemberKind) -> int:
-        return self.registry.count(kind)
-
     # -- generation --------------------------------------------------------------------
 
     async def generate(self, route: Route, request: generate_pb2.GenerateRequest,
                        time_remaining_s: float | None) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
-        """Queue, route and relay one request. `time_remaining_s`: the caller's deadline."""
+        """Queue, route and relay one request. `time_remaining_s`: the caller's deadline.
+
+        A worker that fails before relaying anything costs the caller nothing: the worker
+        has left the table and the request is routed again (up to _ATTEMPTS times). Once a
+        token has been relayed, a failure ends the stream with Unavailable.
+        """
         started = time.monotonic()
         budget = self.max_request_s if time_remaining_s is None else min(time_remaining_s, self.max_request_s)
         error: BaseException | None = None
         try:
-            try:
-                async with asyncio.timeout(budget):
-                    lease = await self.scheduler.acquire(route)
-            except TimeoutError:
-                raise Unavailable(f"request {route.request_id!r} waited {budget:.1f} s in the router "
-                                  "queue without a free worker") from None
-            try:
-                self.metrics.queue_time.observe(lease.queued_s)
-                self.metrics.routed.labels(reason=lease.reason).inc()
-                remaining = budget - (time.monotonic() - started)
-                async with contextlib.aclosing(self.workers.generate(lease, request, remaining)) as stream:
-                    async for msg in stream:
-                        yield msg
-            finally:
-                lease.release()
+            for attempt in range(1, _ATTEMPTS + 1):
+                lease = await self._acquire(route, budget - (time.monotonic() - started))
+                relayed = False
+                try:
+                    self.metrics.queue_time.observe(lease.queued_s)
+                    self.metrics.routed.labels(reason=lease.reason).inc()
+                    log.debug("request %s -> %s (%s, queued %.3f s)", route.request_id, lease.member.member_id,
+                              lease.reason, lease.queued_s)
+                    remaining = budget - (time.monotonic() - started)
+                    async with contextlib.aclosing(self.workers.generate(lease, request, remaining)) as stream:
+                        async for msg in stream:
+                            relayed = True
+                            yield msg
+                    return
+                except WorkerGone as e:
+                    if relayed or attempt == _ATTEMPTS or not self.registry.count(MemberKind.DENSE_WORKER):
+                        raise
+                    log.warning("request %s: %s; routing it again", route.request_id, e)
+                    self.metrics.failovers.inc()
+                finally:
+                    lease.release()
         except BaseException as e:
             error = e
             raise
         finally:
             self.metrics.requests.labels(outcome=_outcome(error)).inc()
             self.metrics.request_time.observe(time.monotonic() - started)
+
+    async def _acquire(self, route: Route, budget_s: float) -> Lease:
+        try:
+            async with asyncio.timeout(budget_s):
+                return await self.scheduler.acquire(route)
+        except TimeoutError:
+            raise Unavailable(f"request {route.request_id!r} found no free worker within its deadline "
+                              "(router queue)") from None

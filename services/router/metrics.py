@@ -14,6 +14,7 @@ to keep in step. Labels are bounded: outcome, reason, kind.
 | moetier_router_request_seconds | histogram | | time from the router receiving a request to its stream's end |
 | moetier_router_in_flight | gauge | | requests the router has running on workers |
 | moetier_router_members | gauge | kind | registered members: dense_worker, expert_store |
+| moetier_router_failovers_total | counter | | requests routed again because their worker failed before the first token |
 | moetier_router_member_departures_total | counter | reason | members dropped from the routing table: expired (silent), failed (mid-stream), replaced (new address) |
 """
 
@@ -55,6 +56,9 @@ class RouterMetrics:
                                       buckets=_REQUEST_BUCKETS, registry=r)
         self.in_flight = Gauge("moetier_router_in_flight", "Requests running on workers.", registry=r)
         self.members = Gauge("moetier_router_members", "Registered members by kind.", ["kind"], registry=r)
+        self.failovers = Counter("moetier_router_failovers",
+                                 "Requests routed again after their worker failed before the first token.",
+                                 registry=r)
         self.departures = Counter("moetier_router_member_departures",
                                   "Members dropped from the routing table, by reason.", ["reason"],
                                   registry=r)

@@ -62,7 +62,7 @@ class MemberInfo:
     owned: tuple[ExpertRange, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity: one object per (re)registration or heartbeat
 class Member:
     info: MemberInfo
     last_seen: float  # registry clock (monotonic seconds)

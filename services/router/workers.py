@@ -1,9 +1,9 @@
 """The router's side of DenseWorker.Generate: one channel per worker, the relay of a stream.
 
 A worker call that fails with UNAVAILABLE or CANCELLED (the connection went away, the
-worker stopped, or its channel was closed because it left the cluster) fails the
-caller with Unavailable at once and drops the worker from the routing table until it
-registers again. Every other worker error reaches the caller with its own status
+worker stopped, or its channel was closed because it left the cluster) raises
+WorkerGone (an Unavailable) at once and drops the worker from the routing table until
+it registers again. Every other worker error reaches the caller with its own status
 (RESOURCE_EXHAUSTED keeps its retry hint).
 """
 
@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 
 # Codes by which a worker call says the worker itself is gone (not that the request was bad).
 _WORKER_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+class WorkerGone(Unavailable):
+    """The worker failed or left the cluster during the call (it has left the routing table)."""
 
 
 class WorkerClients:
@@ -85,13 +89,13 @@ class WorkerClients:
                 current = self._registry.get(member_id)
                 if current is not None and current.info.address == lease.member.info.address:
                     self._registry.remove(member_id, "failed")
+                raise WorkerGone(f"dense worker {member_id}: {e.details() or e.code().name}") from None
             raise from_rpc_error(e, f"dense worker {member_id}") from None
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # the caller went away
             # The call was cancelled under us: the worker left and its channel was closed.
-            raise Unavailable(f"dense worker {member_id} left the cluster during request "
-                              f"{request.request_id!r}") from None
+            raise WorkerGone(f"dense worker {member_id} left the cluster") from None
         finally:
             call.cancel()
