@@ -1,0 +1,50 @@
+"""The gateway app factory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.metadata import version
+
+from fastapi import FastAPI
+
+from moetier.settings import Settings
+from services.gateway.api import Gateway, router
+from services.gateway.errors import install_handlers
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.middleware import APIKeyAuth, BodyLimit, StatusMetrics
+from services.gateway.model import ServedModel, default_model_dir
+from services.gateway.router_client import RouterClient
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings, *, model: ServedModel | None = None) -> FastAPI:
+    """The OpenAI-compatible app. `model`: the served model (default: read from
+    `model.path`, named `model.name` or after its directory). The router connection
+    (`router.address`) is opened and closed by the app's lifespan."""
+    served = model or ServedModel.from_dir(default_model_dir(settings), settings.model.name)
+    gw = Gateway(settings=settings, model=served, metrics=GatewayMetrics())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gw.router = RouterClient(settings.router.address)
+        log.info("serving model %s (context %d tokens) through the router at %s", served.name,
+                 gw.context_limit, settings.router.address)
+        try:
+            yield
+        finally:
+            await gw.router.close()
+            gw.router = None
+
+    app = FastAPI(title="moetier gateway", version=version("moetier"), lifespan=lifespan,
+                  description="OpenAI-compatible API of a moetier cluster.")
+    app.state.gateway = gw
+    install_handlers(app)
+    app.include_router(router)
+    # add_middleware wraps: the last added is the outermost.
+    app.add_middleware(BodyLimit, max_bytes=settings.gateway.max_body_bytes)
+    app.add_middleware(APIKeyAuth, api_key=settings.gateway.api_key)
+    app.add_middleware(StatusMetrics, metrics=gw.metrics)
+    return app

@@ -1,0 +1,125 @@
+"""HTTP errors in the OpenAI envelope: {"error": {"message", "type", "param", "code"}}.
+
+One handler per error type (installed by `install_handlers`):
+
+| raised | status | type | code |
+|---|---|---|---|
+| APIError (gateway checks) | its own | its own | its own |
+| RequestValidationError (bad JSON, wrong types, wrong content type) | 400 | invalid_request_error | invalid_value / invalid_json |
+| InvalidArgument | 400 | invalid_request_error | invalid_value |
+| NotFound | 404 | invalid_request_error | not_found |
+| ResourceExhausted (router queue full) | 429 + Retry-After | rate_limit_error | rate_limit_exceeded |
+| Unavailable (no worker, router down or timed out) | 503 | service_unavailable | service_unavailable |
+| other MoetierError, any other exception | 500 | server_error | internal_error |
+| starlette HTTPException (unknown path, wrong method) | its own | invalid_request_error | null |
+
+401 and 413 come from the middlewares (services.gateway.middleware), which answer
+before the app runs, through `error_response`. Messages never carry a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moetier.errors import InvalidArgument, MoetierError, NotFound, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error the gateway answers with, already in OpenAI terms."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def envelope(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(envelope(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+def from_moetier(e: MoetierError) -> APIError:
+    """The one mapping from the moetier error hierarchy to HTTP (streams use it for error chunks)."""
+    msg = str(e)
+    if isinstance(e, InvalidArgument):
+        return APIError(400, msg, code="invalid_value")
+    if isinstance(e, NotFound):
+        return APIError(404, msg, code="not_found")
+    if isinstance(e, ResourceExhausted):
+        retry = max(1, math.ceil(e.retry_after_s))
+        return APIError(429, msg, type="rate_limit_error", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(retry)})
+    if isinstance(e, Unavailable):
+        return APIError(503, msg, type="service_unavailable", code="service_unavailable")
+    log.error("request failed: %s", msg)
+    return APIError(500, msg, type="server_error", code="internal_error")
+
+
+_UNION_TAGS = ("str", "int", "float", "bool", "dict", "list")
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as a dotted field path, without "body" and union tags."""
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and (p in _UNION_TAGS or "[" in p)))
+
+
+def validation_error(request: Request, e: RequestValidationError) -> APIError:
+    errors = list(e.errors())
+    if any(err.get("type") == "json_invalid" for err in errors):
+        detail = next(err for err in errors if err.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return APIError(400, f"We could not parse the JSON body of your request ({detail}).", code="invalid_json")
+    ctype = request.headers.get("content-type", "")
+    if ctype and "json" not in ctype.lower():
+        return APIError(400, f"Content-Type must be application/json (got {ctype!r}).", code="invalid_content_type")
+    problems = []
+    for err in errors[:4]:
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        where = _loc(tuple(err.get("loc", ())))
+        problems.append(f"{where}: {msg}" if where else msg)
+    first = _loc(tuple(errors[0].get("loc", ()))) if errors else ""
+    param = first.split(".")[0] or None
+    return APIError(400, "; ".join(problems) or "invalid request", param=param, code="invalid_value")
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(request, e))
+
+    @app.exception_handler(MoetierError)
+    async def _moetier(request: Request, e: MoetierError) -> JSONResponse:
+        return error_response(from_moetier(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(APIError(e.status_code, str(e.detail), headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(APIError(500, "internal error (see the gateway log)", type="server_error",
+                                       code="internal_error"))

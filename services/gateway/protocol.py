@@ -1,0 +1,286 @@
+"""The OpenAI wire format: request models in the order of the official API reference,
+with their constraints, and the response bodies. `to_sampling_params()` is the one place a
+request becomes engine parameters (proto SamplingParams).
+
+Supported: n = 1 (others are rejected), no tools, no logit_bias, no suffix. `top_k` is an
+extension (0 = off). Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from moetier.rpc.v1 import generate_pb2
+
+U32 = 2**31 - 1  # upper bound for values that travel as uint32
+U64 = 2**64 - 1
+TokenId = Annotated[int, Field(ge=0, le=U32)]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+
+class TextPart(_Wire):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Wire):
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="`developer` is rendered as `system`.")
+    content: str | list[TextPart] = Field(description="A string, or text parts (joined with newlines).")
+    name: str | None = None
+
+    def for_template(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class StreamOptions(_Wire):
+    include_usage: bool = Field(False, description="Send a last chunk with usage and empty choices.")
+
+
+Stop = Annotated[list[str], Field(max_length=4)] | str | None
+
+
+def _stop_list(stop: list[str] | str | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _sampling(r: ChatCompletionRequest | CompletionRequest, *, max_tokens: int, stop_token_ids: tuple[int, ...],
+              logprobs: bool, top_logprobs: int) -> generate_pb2.SamplingParams:
+    p = generate_pb2.SamplingParams(
+        temperature=r.temperature if r.temperature is not None else 1.0,
+        top_p=r.top_p if r.top_p is not None else 1.0,
+        top_k=r.top_k or 0,
+        presence_penalty=r.presence_penalty or 0.0,
+        frequency_penalty=r.frequency_penalty or 0.0,
+        max_tokens=max_tokens,
+        stop_token_ids=stop_token_ids,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    if r.seed is not None:
+        p.seed = r.seed
+    return p
+
+
+class _Common(_Wire):
+    """Checks shared by both endpoints; the messages name the field."""
+
+    @field_validator("n", check_fields=False)
+    @classmethod
+    def _n(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("logit_bias", check_fields=False)
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> Any:
+        if getattr(self, "stream_options", None) is not None and not getattr(self, "stream", False):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    model: str
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
+    logprobs: bool | None = Field(False, description="Return the log-probability of each output token.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (wins over it).")
+    max_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
+    n: int | None = Field(1, description="Only 1.")
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=U64)
+    stop: Stop = Field(None, description="Up to 4 strings; the text stops before the first one.")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Needs logprobs=true.")
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=U32, description="Extension: keep the k most likely tokens (0 = off).")
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def stops(self) -> list[str]:
+        return _stop_list(self.stop)
+
+    def to_sampling_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...]) -> generate_pb2.SamplingParams:
+        return _sampling(self, max_tokens=max_tokens, stop_token_ids=stop_token_ids, logprobs=bool(self.logprobs),
+                         top_logprobs=(self.top_logprobs or 0) if self.logprobs else 0)
+
+
+class CompletionRequest(_Common):
+    model: str
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+        description="A string or token ids; a list of several prompts is not supported.")
+    best_of: int | None = Field(None, ge=1, le=1, description="Only 1.")
+    echo: bool | None = Field(False, description="Return the prompt before the completion.")
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
+    logprobs: int | None = Field(None, ge=0, le=5, description="Return logprobs and this many alternatives.")
+    max_tokens: int | None = Field(16, ge=1)
+    n: int | None = Field(1, description="Only 1.")
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=U64)
+    stop: Stop = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = Field(None, description="Not supported: must be empty.")
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=U32, description="Extension: keep the k most likely tokens (0 = off).")
+    user: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, p: str | list[Any]) -> str | list[Any]:
+        if isinstance(p, list) and not p:
+            raise ValueError("the prompt is empty")
+        if isinstance(p, list) and isinstance(p[0], str | list) and len(p) != 1:
+            raise ValueError("a batch of prompts is not supported (send one per request)")
+        return p
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            return p[0]
+        return p  # type: ignore[return-value]
+
+    @property
+    def stops(self) -> list[str]:
+        return _stop_list(self.stop)
+
+    def to_sampling_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...]) -> generate_pb2.SamplingParams:
+        return _sampling(self, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                         logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0)
+
+
+# ---- responses ---------------------------------------------------------------------------
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "moetier"
+    max_model_len: int = Field(description="Extension: prompt + completion tokens the gateway accepts.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
