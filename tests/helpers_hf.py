@@ -1,11 +1,14 @@
 """Tiny Hugging Face checkpoints for the oracle tests: make them, load them, run transformers.
 
-Checkpoints come from the project's synth (`moetier.convert.synth.write_hf_checkpoint`,
-presets `tiny-<arch>`) when it exists, else from `write_tiny_checkpoint` below: the same
-idea in a few lines (a config.json per architecture and seeded numpy weights written in the
-source layout through the adapters' inverse names). Either way the weights are a pure
-function of (generator, preset, seed), so a test without torch rebuilds exactly the
-checkpoint a fixture was made from -- the xxh3 checksum recorded in the fixture proves it.
+Two generators, both a pure function of (preset, seed[, overrides]) and free of torch:
+  * the project's synth (`moetier.convert.synth.write_hf_checkpoint`, presets `tiny-<arch>`):
+    the checkpoints the rest of the project tests with;
+  * `write_tiny_checkpoint` below: configs chosen to exercise every architecture quirk the
+    synth presets leave at a neutral value (norm weights != 1, YaRN attention factor != 1,
+    group-limited V2 routing, clip_qkv, tied embeddings, a dense Qwen3 layer, ...), plus
+    config variants through `overrides`.
+A fixture records generator, preset, seed, overrides and the xxh3 checksum of the weights,
+so a test without torch rebuilds exactly the checkpoint transformers saw.
 
 `hf_reference` is the only code that imports torch/transformers (lazily): the fixture script
 and the live tests call it where those are installed.
@@ -17,6 +20,7 @@ import importlib
 import importlib.util
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +33,12 @@ from moetier.model.config import ModelArgs
 from moetier.model.experts import DictExperts
 from moetier.model.forward import Model
 from moetier.model.ops import Ops, ReferenceOps
-from moetier.model.weights import dense_shapes
 from moetier.weights.quant import ExpertWeights, QTensor, quantize
+from moetier.weights.schema import dense_shapes, expert_shapes
 
 ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 SYNTH_MODULE = "moetier.convert.synth"
-HELPER_GENERATOR = "tests.helpers_hf"
+HELPER_GENERATOR = "tests/helpers_hf.py"
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 512, "hidden_size": 64, "hidden_act": "silu", "max_position_embeddings": 256,
@@ -129,10 +133,9 @@ def write_tiny_checkpoint(arch: str, out_dir: Path, seed: int, overrides: dict[s
     tensors: dict[str, np.ndarray] = {}
     for name, shape in dense_shapes(args).items():
         tensors[adapter.source_name(name)] = _value(rng, name, shape)
-    i_, d = args.moe_intermediate_size, args.hidden_size
     for layer in args.moe_layer_ids:
         for e in range(args.n_routed_experts):
-            for part, shape in (("gate", (i_, d)), ("up", (i_, d)), ("down", (d, i_))):
+            for part, shape in expert_shapes(args).items():
                 tensors[adapter.expert_source_name(layer, e, part)] = _value(rng, part, shape)  # type: ignore[arg-type]
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
@@ -140,27 +143,66 @@ def write_tiny_checkpoint(arch: str, out_dir: Path, seed: int, overrides: dict[s
     return out_dir
 
 
-def synth_writer() -> Callable[[str, Path, int], Path] | None:
-    """The project's synth, once it exists."""
+def synth_writer() -> Callable[..., Path] | None:
+    """The project's synth, where it exists."""
     if importlib.util.find_spec(SYNTH_MODULE) is None:
         return None
     return getattr(importlib.import_module(SYNTH_MODULE), "write_hf_checkpoint", None)
 
 
-def default_generator() -> str:
-    return SYNTH_MODULE if synth_writer() is not None else HELPER_GENERATOR
-
-
-def make_checkpoint(generator: str, preset: str, out_dir: Path, seed: int) -> Path:
-    """Rebuild the checkpoint of (generator, preset, seed); returns its directory."""
+def make_checkpoint(generator: str, preset: str, out_dir: Path, seed: int,
+                    overrides: dict[str, Any] | None = None) -> Path:
+    """Rebuild the float32 checkpoint of (generator, preset, seed, overrides); returns its directory."""
     if generator == SYNTH_MODULE:
         writer = synth_writer()
         if writer is None:
             raise RuntimeError(f"{SYNTH_MODULE}.write_hf_checkpoint is not available")
-        return Path(writer(preset, out_dir, seed))
+        if overrides:
+            raise ValueError("synth presets take no config overrides")
+        return Path(writer(preset, out_dir, seed, dtype="f32"))
     if generator == HELPER_GENERATOR:
-        return write_tiny_checkpoint(preset.removeprefix("tiny-"), out_dir, seed)
+        return write_tiny_checkpoint(preset.removeprefix("tiny-"), out_dir, seed, overrides)
     raise ValueError(f"unknown checkpoint generator {generator!r}")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One oracle comparison: a checkpoint recipe and how much to run on it."""
+
+    name: str  # fixture file stem
+    generator: str
+    preset: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: int = 24
+    greedy_tokens: int = 32
+    seed: int = 0
+
+
+# Config variants beyond the per-architecture quirk configs.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # no q_lora, rotate_half rope, no yarn, no groups, no renormalisation
+    "deepseek_v3-plain": ("deepseek_v3", {
+        "q_lora_rank": None, "rope_interleave": False, "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }),
+    # greedy top-k, q_lora, DeepSeek-V2's own yarn (mscale == mscale_all_dim)
+    "deepseek_v2-yarn": ("deepseek_v2", {
+        "topk_method": "greedy", "q_lora_rank": 24,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                            "original_max_position_embeddings": 32, "mscale": 0.707, "mscale_all_dim": 0.707,
+                            "beta_fast": 32, "beta_slow": 1},
+    }),
+    # grouped sigmoid router, no qk norm, no bias
+    "glm4_moe-groups": ("glm4_moe", {"n_group": 4, "topk_group": 2, "use_qk_norm": False, "attention_bias": False}),
+}
+
+CASES: dict[str, Case] = {
+    **{a: Case(a, SYNTH_MODULE, f"tiny-{a}") for a in ARCHS},
+    **{f"{a}-quirks": Case(f"{a}-quirks", HELPER_GENERATOR, f"tiny-{a}", prompt_tokens=16, greedy_tokens=16)
+       for a in ARCHS},
+    **{n: Case(n, HELPER_GENERATOR, f"tiny-{a}", ov, prompt_tokens=16, greedy_tokens=16)
+       for n, (a, ov) in VARIANTS.items()},
+}
 
 
 def checkpoint_checksum(ckpt: Path) -> str:

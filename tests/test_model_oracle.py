@@ -1,13 +1,15 @@
 """The numpy forward pass against Hugging Face transformers, for every supported architecture.
 
-Fixture tests need no torch: they rebuild each tiny checkpoint from its recorded generator and
-seed, check its checksum, load it through the adapters (float32) and compare with the logits
-and greedy tokens transformers produced (tests/fixtures/oracle, scripts/make_oracle_fixtures.py).
-Live tests run transformers itself, on the fixtures' checkpoints and on config variants.
+Fixture tests need no torch: they rebuild each tiny checkpoint from the generator, preset,
+seed and overrides recorded in its fixture, check its checksum, load it through the adapters
+(float32) and compare with the logits and greedy tokens transformers produced
+(tests/fixtures/oracle, made by scripts/make_oracle_fixtures.py).
+Live tests, where torch and transformers are installed, run transformers itself.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,8 @@ LOGIT_RTOL = 1e-4  # of max |logit|
 TIE_GAP = 1e-5  # transformers' own top-2 gap below which a greedy choice is a coin flip
 
 
-def load_fixture(arch: str) -> dict[str, Any]:
-    with np.load(FIXTURES / f"{arch}.npz", allow_pickle=False) as z:
+def load_fixture(name: str) -> dict[str, Any]:
+    with np.load(FIXTURES / f"{name}.npz", allow_pickle=False) as z:
         return {k: z[k] for k in z.files}
 
 
@@ -46,12 +48,13 @@ def assert_greedy_matches(model: Model, prompt: np.ndarray, ref_tokens: np.ndarr
         assert a == b, f"greedy token {i}: ours {a}, transformers {b} (its top-2 gap {ref_gap[i]:.2e})"
 
 
-@pytest.mark.parametrize("arch", hf.ARCHS)
-def test_fixture(arch: str, tmp_path: Path) -> None:
-    fx = load_fixture(arch)
-    ckpt = hf.make_checkpoint(str(fx["generator"]), str(fx["preset"]), tmp_path / "ckpt", int(fx["seed"]))
+@pytest.mark.parametrize("name", sorted(hf.CASES))
+def test_fixture(name: str, tmp_path: Path) -> None:
+    fx = load_fixture(name)
+    generator, preset = str(fx["generator"]), str(fx["preset"])
+    ckpt = hf.make_checkpoint(generator, preset, tmp_path / "ckpt", int(fx["seed"]), json.loads(str(fx["overrides"])))
     assert hf.checkpoint_checksum(ckpt) == str(fx["checksum"]), (
-        f"the {fx['preset']} checkpoint from {fx['generator']} changed since the fixture was made: "
+        f"{preset} from {generator} is no longer the checkpoint the fixture was made from: "
         "regenerate with scripts/make_oracle_fixtures.py"
     )
     model = hf.build_model(ckpt)
@@ -59,32 +62,19 @@ def test_fixture(arch: str, tmp_path: Path) -> None:
     assert_greedy_matches(model, fx["prompt"], fx["greedy"], fx["greedy_gap"])
 
 
-# Config variants the fixtures do not cover: checked live against transformers.
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    # no q_lora, rotate_half rope, no yarn, no groups, no renormalisation
-    "deepseek_v3-plain": ("deepseek_v3", {
-        "q_lora_rank": None, "rope_interleave": False, "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    }),
-    # greedy top-k, q_lora, DeepSeek-V2's own yarn (mscale == mscale_all_dim)
-    "deepseek_v2-yarn": ("deepseek_v2", {
-        "topk_method": "greedy", "q_lora_rank": 24,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
-                            "original_max_position_embeddings": 32, "mscale": 0.707, "mscale_all_dim": 0.707,
-                            "beta_fast": 32, "beta_slow": 1},
-    }),
-    # grouped sigmoid router, no qk norm, no bias
-    "glm4_moe-groups": ("glm4_moe", {"n_group": 4, "topk_group": 2, "use_qk_norm": False, "attention_bias": False}),
-}
-LIVE = [(a, a, {}) for a in hf.ARCHS] + [(name, arch, ov) for name, (arch, ov) in VARIANTS.items()]
+# Live runs on the quirk configs and variants (a superset of what the synth presets exercise),
+# with another seed than the fixtures.
+LIVE = sorted(n for n, c in hf.CASES.items() if c.generator == hf.HELPER_GENERATOR)
 
 
 @pytest.mark.skipif(not hf.hf_available(), reason="torch/transformers not installed (the [oracle] extra)")
-@pytest.mark.parametrize("name,arch,overrides", LIVE, ids=[x[0] for x in LIVE])
-def test_live(name: str, arch: str, overrides: dict[str, Any], tmp_path: Path) -> None:
-    ckpt = hf.write_tiny_checkpoint(arch, tmp_path / "ckpt", seed=1, overrides=overrides)
-    prompt = hf.prompt_ids(hf.tiny_config(arch)["vocab_size"], seed=1, n=16)
-    ref = hf.hf_reference(ckpt, prompt, 12)
+@pytest.mark.parametrize("name", LIVE)
+def test_live(name: str, tmp_path: Path) -> None:
+    case = hf.CASES[name]
+    ckpt = hf.make_checkpoint(case.generator, case.preset, tmp_path / "ckpt", case.seed + 1, case.overrides)
+    vocab = int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
+    prompt = hf.prompt_ids(vocab, case.seed + 1, 12)
+    ref = hf.hf_reference(ckpt, prompt, 8)
     model = hf.build_model(ckpt)
     assert_logits_close(teacher_forced_logits(model, prompt), ref["logits"])
     assert_greedy_matches(model, prompt, ref["greedy"], ref["greedy_gap"])
