@@ -497,3 +497,37 @@ async def test_metrics_endpoint(make_router: Callable[..., Awaitable[Harness]]) 
                  "moetier_router_in_flight 0.0", "moetier_router_queue_time_seconds_count 1.0",
                  "moetier_router_queue_capacity 8.0"):
         assert line in text, line
+
+
+async def test_mixed_load_leaves_nothing_behind(make_router: Callable[..., Awaitable[Harness]]) -> None:
+    """40 callers, 2 workers of 2 slots, a queue of 8: some finish, some are refused, some give
+    up; afterwards no slot, queue entry or worker stream is left over."""
+    h = await make_router(queue_capacity=8)
+    workers = [await h.add_worker(n, tokens=5, delay_s=0.01) for n in ("a", "b")]
+    for n in ("a", "b"):
+        await h.heartbeat(n, max_batch=1, max_waiting=1)
+
+    async def caller(i: int) -> str:
+        call = h.generate([i % 7 + 1] * 20, session=f"s{i % 5}", request_id=f"r{i}")
+        try:
+            if i % 4 == 3:
+                await asyncio.sleep(0.02)
+                call.cancel()
+                return "cancelled"
+            await drain(call)
+            return "ok"
+        except grpc.aio.AioRpcError as e:
+            return e.code().name
+
+    results = await asyncio.gather(*(caller(i) for i in range(40)))
+    assert set(results) <= {"ok", "cancelled", "RESOURCE_EXHAUSTED"}
+    assert results.count("ok") >= 4 and "RESOURCE_EXHAUSTED" in results
+    await eventually(lambda: _in_flight_is(h, 0))
+    assert (await h.status()).queued == 0
+
+    async def workers_idle() -> bool:
+        return all(w.fake.active == 0 for w in workers)
+
+    await eventually(workers_idle)
+    served = sum(len(w.fake.requests) for w in workers)
+    assert served <= 40 - results.count("RESOURCE_EXHAUSTED")
