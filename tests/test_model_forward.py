@@ -1,0 +1,228 @@
+"""Properties of the batched forward step: chunking and batching do not change results, the KV
+cache round-trips, prefetch hints are measured and never change outputs, bad input is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import helpers_hf as hf
+import numpy as np
+import pytest
+
+from moetier.errors import FormatError
+from moetier.model.config import ModelArgs
+from moetier.model.experts import DictExperts
+from moetier.model.forward import Model
+from moetier.model.generate import prefill, teacher_forced_logits
+from moetier.model.kv_cache import KVCache
+from moetier.model.ops import ReferenceOps
+from moetier.model.weights import embed_rows
+from moetier.weights.quant import ExpertWeights, QTensor, quantize
+
+TOL = 1e-5  # of max |logit|: ReferenceOps uses BLAS, so batching may reorder float sums
+Checkpoint = tuple[ModelArgs, dict[str, QTensor], dict[tuple[int, int], ExpertWeights]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {}
+    for arch in hf.ARCHS:
+        case = hf.CASES[f"{arch}-quirks"]
+        out[arch] = hf.load_checkpoint(hf.make_checkpoint(case.generator, case.preset, root / arch, 3))
+    return out
+
+
+class CountingExperts(DictExperts):
+    """DictExperts that remembers every call."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        super().__init__(*a, **kw)  # type: ignore[arg-type]
+        self.moe_calls: list[tuple[int, int]] = []  # (layer, rows)
+        self.hints: list[tuple[int, np.ndarray]] = []
+
+    def moe(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        self.moe_calls.append((layer, len(x)))
+        return super().moe(layer, x, ids, weights)
+
+    def prefetch(self, layer: int, ids: np.ndarray) -> None:
+        self.hints.append((layer, ids.copy()))
+
+
+def model_of(ck: Checkpoint, **kw: bool) -> Model:
+    args, dense, experts = ck
+    ops = ReferenceOps()
+    return Model(args, dense, ops, CountingExperts(experts, ops), **kw)
+
+
+def close(a: np.ndarray, b: np.ndarray) -> None:
+    np.testing.assert_allclose(a, b, rtol=0, atol=TOL * float(np.abs(b).max()))
+
+
+def tokens(args: ModelArgs, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, args.vocab_size, n)
+
+
+@pytest.mark.parametrize("arch", hf.ARCHS)
+def test_chunked_prefill_equals_unchunked(arch: str, checkpoints: dict[str, Checkpoint]) -> None:
+    m = model_of(checkpoints[arch])
+    ids = tokens(m.args, 19, 0)
+    whole = teacher_forced_logits(m, ids)  # [19, V]
+    cache = m.new_cache()
+    parts = [m.step([(cache, ids[a:b])], all_logits=True)[0] for a, b in ((0, 7), (7, 8), (8, 13), (13, 19))]
+    close(np.concatenate(parts), whole)
+    ref = m.new_cache()
+    prefill(m, ref, ids)
+    for name, arr in ref.to_arrays().items():
+        close(cache.to_arrays()[name], arr)
+
+
+@pytest.mark.parametrize("arch", hf.ARCHS)
+def test_batch_equals_each_alone(arch: str, checkpoints: dict[str, Checkpoint]) -> None:
+    m = model_of(checkpoints[arch])
+    # three sequences in different states: fresh prefill, decode after a prefix, chunk after a prefix
+    prefixes = [tokens(m.args, 0, 1), tokens(m.args, 6, 2), tokens(m.args, 3, 3)]
+    new = [tokens(m.args, 9, 4), tokens(m.args, 1, 5), tokens(m.args, 4, 6)]
+
+    def caches() -> list[KVCache]:
+        out = []
+        for p in prefixes:
+            c = m.new_cache()
+            if len(p):
+                prefill(m, c, p)
+            out.append(c)
+        return out
+
+    alone = [m.step([(c, t)], all_logits=True)[0] for c, t in zip(caches(), new, strict=True)]
+    experts = m.experts
+    assert isinstance(experts, CountingExperts)
+    batched_caches = caches()
+    experts.moe_calls.clear()
+    batched = m.step(list(zip(batched_caches, new, strict=True)), all_logits=True)
+    for a, b in zip(batched, alone, strict=True):
+        close(a, b)
+    # one provider call per MoE layer per step, with every row of the step
+    assert experts.moe_calls == [(i, 14) for i in m.args.moe_layer_ids]
+    last = m.step(list(zip(caches(), new, strict=True)))
+    for a, b in zip(last, alone, strict=True):
+        assert a.shape == (m.args.vocab_size,)
+        close(a, b[-1])
+
+
+def test_kv_cache_round_trip(checkpoints: dict[str, Checkpoint], tmp_path: Path) -> None:
+    for arch in ("deepseek_v3", "qwen3_moe"):
+        m = model_of(checkpoints[arch])
+        ids = tokens(m.args, 12, 7)
+        cache = m.new_cache()
+        prefill(m, cache, ids)
+        np.savez(tmp_path / "kv.npz", **cache.to_arrays())
+        with np.load(tmp_path / "kv.npz", allow_pickle=False) as z:
+            restored = KVCache.from_arrays(m.args, dict(z))
+        assert restored.length == cache.length == 12
+        np.testing.assert_array_equal(restored.tokens, ids)
+        a = m.step([(cache, [5])])[0]
+        b = m.step([(restored, [5])])[0]
+        np.testing.assert_array_equal(a, b)  # same arithmetic on the same numbers
+
+        # truncate and re-feed the tail: same logits as the first time
+        full = teacher_forced_logits(m, ids)
+        cache.truncate(8)
+        assert cache.length == 8 and list(cache.tokens) == list(ids[:8])
+        close(m.step([(cache, ids[8:])])[0], full[-1])
+
+
+def test_kv_cache_from_arrays_refuses_bad_arrays(checkpoints: dict[str, Checkpoint]) -> None:
+    m = model_of(checkpoints["deepseek_v3"])
+    cache = m.new_cache()
+    prefill(m, cache, [1, 2, 3])
+    good = cache.to_arrays()
+    with pytest.raises(ValueError, match=r"layers\.0\.latent"):
+        KVCache.from_arrays(m.args, {**good, "layers.0.latent": good["layers.0.latent"][:, :-1]})
+    with pytest.raises(ValueError, match="lack"):
+        KVCache.from_arrays(m.args, {k: v for k, v in good.items() if k != "layers.1.latent"})
+    with pytest.raises(ValueError, match="unknown"):
+        KVCache.from_arrays(m.args, {**good, "layers.0.k": good["layers.0.latent"]})
+
+
+def test_cache_width_and_bytes(checkpoints: dict[str, Checkpoint]) -> None:
+    mla = model_of(checkpoints["deepseek_v3"])
+    a = mla.args
+    c = mla.new_cache()
+    prefill(mla, c, [1, 2, 3, 4, 5])
+    assert c.width == a.kv_lora_rank + a.qk_rope_head_dim == a.kv_cache_width
+    assert c.nbytes == 4 * 5 * a.num_layers * c.width
+    assert c.to_arrays()["layers.0.latent"].shape == (5, a.kv_lora_rank + a.qk_rope_head_dim)
+    gqa = model_of(checkpoints["mixtral"])
+    assert gqa.new_cache().width == 2 * gqa.args.num_kv_heads * gqa.args.head_dim == gqa.args.kv_cache_width
+
+
+def test_prefetch_hints_are_measured_and_change_nothing(checkpoints: dict[str, Checkpoint]) -> None:
+    on = model_of(checkpoints["deepseek_v3"])
+    off = model_of(checkpoints["deepseek_v3"], predict_experts=False)
+    ids = tokens(on.args, 10, 8)
+    np.testing.assert_array_equal(teacher_forced_logits(off, ids), teacher_forced_logits(on, ids))
+    hints_on = on.experts.hints  # type: ignore[attr-defined]
+    moe_layers = on.args.moe_layer_ids
+    assert [layer for layer, _ in hints_on] == moe_layers
+    assert all(np.all(np.diff(h) > 0) for _, h in hints_on)  # sorted, unique
+    st = on.stats.prefetch
+    assert st.actual > 0 and 0 <= st.hits <= min(st.predicted, st.actual)
+    assert 0.0 <= st.recall <= 1.0 and set(st.by_layer) == set(moe_layers)
+    assert off.experts.hints == [] and off.stats.prefetch.actual == 0  # type: ignore[attr-defined]
+    assert on.stats.steps == 1 and on.stats.tokens == 10
+
+
+def test_step_refuses_bad_input_and_leaves_caches_alone(checkpoints: dict[str, Checkpoint]) -> None:
+    m = model_of(checkpoints["qwen2_moe"])
+    c = m.new_cache()
+    prefill(m, c, [3, 4])
+    with pytest.raises(ValueError, match="out of range"):
+        m.step([(c, [m.args.vocab_size])])
+    with pytest.raises(ValueError, match="no tokens"):
+        m.step([(c, [])])
+    with pytest.raises(ValueError, match="twice"):
+        m.step([(c, [1]), (c, [2])])
+    with pytest.raises(ValueError, match="different model"):
+        m.step([(KVCache.for_model(checkpoints["deepseek_v3"][0]), [1])])
+    assert c.length == 2 and list(c.tokens) == [3, 4]
+    assert m.step([]) == []
+
+
+def test_missing_or_misshapen_tensor_is_named(checkpoints: dict[str, Checkpoint]) -> None:
+    args, dense, experts = checkpoints["glm4_moe"]
+    ops = ReferenceOps()
+    with pytest.raises(FormatError, match=r"layers\.1\.attn\.bq"):
+        Model(args, {k: v for k, v in dense.items() if k != "layers.1.attn.bq"}, ops, DictExperts(experts, ops))
+    bad = dict(dense, final_norm=quantize(np.ones(3, np.float32), "f32"))
+    with pytest.raises(FormatError, match="final_norm"):
+        Model(args, bad, ops, DictExperts(experts, ops))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "bf16"])
+def test_embedding_rows_dequantize_only_what_is_asked(dtype: str) -> None:
+    w = np.random.default_rng(0).standard_normal((50, 96)).astype(np.float32)
+    q = quantize(w, dtype, 32)  # type: ignore[arg-type]
+    ids = np.array([7, 0, 49, 7])
+    np.testing.assert_array_equal(embed_rows(q, ids), q.dequantize()[ids])
+
+
+def _quantized(ck: Checkpoint) -> Iterator[tuple[str, QTensor]]:
+    _, dense, _ = ck
+    for name, t in dense.items():
+        yield name, t if len(t.shape) == 1 or "norm" in name or ".moe.router" in name else quantize(
+            t.dequantize(), "int8")
+
+
+def test_quantized_weights_run_close_to_float(checkpoints: dict[str, Checkpoint]) -> None:
+    ck = checkpoints["deepseek_v3"]
+    args, _, experts = ck
+    ops = ReferenceOps()
+    q_experts = {k: ExpertWeights(*(quantize(p.dequantize(), "int4") for p in (e.gate, e.up, e.down)))
+                 for k, e in experts.items()}
+    qm = Model(args, dict(_quantized(ck)), ops, DictExperts(q_experts, ops))
+    ids = tokens(args, 12, 9)
+    ref = teacher_forced_logits(model_of(ck), ids)
+    got = teacher_forced_logits(qm, ids)
+    rel = np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2))
+    assert 0 < rel < 0.2, rel
