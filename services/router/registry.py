@@ -138,7 +138,8 @@ class Registry:
         return [m for m in self._members.values() if kind is None or m.info.kind is kind]
 
     def count(self, kind: MemberKind) -> int:
-        return sum(1 for m in self._members.values() if m.info.kind is kind)
+        # Also read by the metrics thread: iterate over a snapshot (list() is atomic).
+        return sum(1 for m in list(self._members.values()) if m.info.kind is kind)
 
     def seconds_since_seen(self, member: Member) -> float:
         return max(0.0, self._clock() - member.last_seen)
