@@ -169,7 +169,7 @@ def test_bad_index_and_unfinished(good: Path, tmp_path: Path) -> None:
     partial = tmp_path / "partial"
     shutil.copytree(good, partial)
     (partial / MANIFEST).unlink()
-    with pytest.raises(FormatError, match="no moetier.json"):
+    with pytest.raises(FormatError, match=r"no moetier\.json"):
         Container.open(partial)
 
 
