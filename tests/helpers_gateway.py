@@ -118,7 +118,8 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
                         prompt_tokens=len(request.prompt_ids) if first else 0,
                         queue_ns=2_000_000 if first else 0)
                     first = False
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # CancelledError while it waits; GeneratorExit when the cancel lands between writes
             self.cancelled.set()
             raise
 
@@ -220,7 +221,18 @@ def sse_events(text: str) -> list[Any]:
     return out
 
 
+async def until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll pred while letting this event loop (and the servers in it) run."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        await asyncio.sleep(0.01)
+    return pred()
+
+
 def wait_for(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll pred from a thread whose loop serves nothing (servers run in another thread)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if pred():
