@@ -10,8 +10,20 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers_gateway import MAX_POS, MODEL, REPLY, Emit, Fail, Hang, InProcess, in_process, make_model_dir, \
-    reply_script, sse_events, until
+from helpers_gateway import (
+    MAX_POS,
+    MODEL,
+    REPLY,
+    Emit,
+    Fail,
+    Hang,
+    InProcess,
+    in_process,
+    make_model_dir,
+    reply_script,
+    sse_events,
+    until,
+)
 
 from moetier.rpc.v1 import generate_pb2
 from services.gateway.model import ServedModel
