@@ -1,0 +1,730 @@
+/* moetier fast kernels: row-invariant linear, expert FFN, rmsnorm, softmax, attention.
+ *
+ * THE ARITHMETIC CONTRACT (what makes every kernel row-invariant and every code path
+ * bit-identical -- AVX-512 here, the portable C path below, and the numba fallback in
+ * _nbkernels.py):
+ *
+ *   dot(a, b, n): sixteen lane accumulators acc[0..15] start at +0.0f. For every chunk
+ *     k = 0, 1, ... of sixteen columns, in increasing k, lane l does
+ *         acc[l] = fma(a[16k + l], b[16k + l], acc[l])
+ *     where columns >= n read as 0.0f (the last, partial chunk). Then the fixed tree
+ *         s8[i] = acc[i] + acc[i+8]   (i < 8)
+ *         s4[i] = s8[i] + s8[i+4]     (i < 4)
+ *         s2[i] = s4[i] + s4[i+2]     (i < 2)
+ *         dot   = s2[0] + s2[1].
+ *     The sequence of floating-point operations depends on n alone. fma is the single
+ *     rounding fused multiply-add (vfmadd / fmaf / llvm.fma), the same in every path.
+ *   sum(a, n): the same with acc[l] = acc[l] + a[16k + l].
+ *
+ * Every reduction in this file is one of those two, with n the length of the reduced
+ * dimension (C for linear, dq for attention scores, the row's own number of visible keys
+ * for the softmax denominator). Every other operation is elementwise IEEE arithmetic.
+ * Blocking over output rows, tokens, heads or keys, threading, and the choice of code
+ * path only decide WHICH accumulator is computed WHEN, never the operations inside one
+ * accumulator. Hence row t's bits depend only on row t's inputs.
+ *
+ * The file is compiled with -ffp-contract=off so the compiler never fuses a multiply
+ * and an add that the contract does not fuse, and without -ffast-math so nothing is
+ * reassociated and expf is the scalar libm function for every element.
+ *
+ * Quantized weights stay quantized in memory: each block of four output rows is
+ * dequantized into a small per-thread float buffer (exactly q * scale, the value
+ * moetier.weights.quant.dequantize produces), used for every token, and discarded.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define MT_X86 1
+#define MT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#else
+#define MT_X86 0
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3 };
+#define RB 4 /* output rows per block */
+#define TBMAX 4 /* tokens per tile */
+
+typedef struct {
+    int dtype;
+    const uint8_t *data;    /* row r starts at data + r * row_bytes */
+    int64_t row_bytes;
+    const uint16_t *scales; /* [rows, ngroups] float16 bits; NULL for f32 / bf16 */
+    int64_t ngroups;
+    int64_t rows, cols;     /* logical R, C */
+    int64_t g;              /* group size (0 for f32 / bf16) */
+} qmat;
+
+static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+/* ---------------------------------------------------------------- portable path */
+
+static float f16_to_f32(uint16_t h) {
+    /* exact: every float16 value is representable in float32 */
+    uint32_t e = (h >> 10) & 31u, m = h & 1023u;
+    float v;
+    if (e == 31) {
+        uint32_t bits = ((uint32_t)(h & 0x8000u) << 16) | 0x7f800000u | (m << 13);
+        memcpy(&v, &bits, 4);
+        return v;
+    }
+    v = e == 0 ? (float)m * 0x1p-24f : ldexpf((float)(m + 1024u), (int)e - 25);
+    return (h & 0x8000u) ? -v : v;
+}
+
+/* Dequantize row r into buf[0..cols): exactly the reference values. */
+static void dequant_row_generic(const qmat *w, int64_t r, float *buf) {
+    const uint8_t *row = w->data + r * w->row_bytes;
+    const int64_t C = w->cols;
+    switch (w->dtype) {
+    case DT_F32:
+        memcpy(buf, row, (size_t)C * 4);
+        break;
+    case DT_BF16:
+        for (int64_t c = 0; c < C; c++) {
+            uint16_t b;
+            memcpy(&b, row + 2 * c, 2);
+            uint32_t bits = (uint32_t)b << 16;
+            memcpy(&buf[c], &bits, 4);
+        }
+        break;
+    case DT_INT8: {
+        const uint16_t *s = w->scales + r * w->ngroups;
+        for (int64_t c = 0; c < C; c++) buf[c] = (float)(int8_t)row[c] * f16_to_f32(s[c / w->g]);
+        break;
+    }
+    case DT_INT4: {
+        const uint16_t *s = w->scales + r * w->ngroups;
+        for (int64_t c = 0; c < C; c++) {
+            uint8_t b = row[c >> 1];
+            int q = (int)((c & 1) ? (b >> 4) : (b & 15)) - 8;
+            buf[c] = (float)q * f16_to_f32(s[c / w->g]);
+        }
+        break;
+    }
+    }
+}
+
+static float hsum16_generic(const float *a) {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+
+/* out[j][i] = dot(xr[j], wr[i], n) for j < tb, i < RB (the contract, portable). */
+static void tile_generic(int tb, const float *const *xr, const float *const *wr, int64_t n,
+                         float out[TBMAX][RB]) {
+    float acc[TBMAX][RB][16];
+    memset(acc, 0, sizeof(acc));
+    for (int64_t k = 0; k < n; k += 16) {
+        for (int l = 0; l < 16; l++) {
+            int64_t c = k + l;
+            for (int j = 0; j < tb; j++) {
+                float xv = c < n ? xr[j][c] : 0.0f;
+                for (int i = 0; i < RB; i++) {
+                    float wv = c < n ? wr[i][c] : 0.0f;
+                    acc[j][i][l] = fmaf(wv, xv, acc[j][i][l]);
+                }
+            }
+        }
+    }
+    for (int j = 0; j < tb; j++)
+        for (int i = 0; i < RB; i++) out[j][i] = hsum16_generic(acc[j][i]);
+}
+
+static float sum_generic(const float *a, int64_t n) {
+    float acc[16] = {0};
+    for (int64_t k = 0; k < n; k += 16)
+        for (int l = 0; l < 16; l++) acc[l] = acc[l] + (k + l < n ? a[k + l] : 0.0f);
+    return hsum16_generic(acc);
+}
+
+/* acc[h][d] = fma(p[h][s], v[s][d], acc[h][d]) for s < n in increasing s (portable). */
+static void pv_generic(int nh, const float *const *p, const float *v, int64_t vstride, int64_t n,
+                       int64_t dv, float *const *acc) {
+    for (int h = 0; h < nh; h++) memset(acc[h], 0, (size_t)dv * 4);
+    for (int64_t s = 0; s < n; s++) {
+        const float *vr = v + s * vstride;
+        for (int h = 0; h < nh; h++) {
+            float ps = p[h][s];
+            for (int64_t d = 0; d < dv; d++) acc[h][d] = fmaf(ps, vr[d], acc[h][d]);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- AVX-512 path */
+#if MT_X86
+
+MT_AVX512 static inline float hsum16_avx512(__m512 v) {
+    __m256 lo = _mm512_castps512_ps256(v);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 s8 = _mm256_add_ps(lo, hi);                                                 /* i, i+8 */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1)); /* i, i+4 */
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                 /* i, i+2 */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));                          /* 0, 1 */
+}
+
+MT_AVX512 static inline __attribute__((always_inline)) void
+tile_avx512_tb(const int tb, const float *const *xr, const float *const *wr, int64_t n,
+               float out[TBMAX][RB]) {
+    __m512 acc[TBMAX][RB];
+    for (int j = 0; j < tb; j++)
+        for (int i = 0; i < RB; i++) acc[j][i] = _mm512_setzero_ps();
+    const int64_t nfull = n & ~(int64_t)15;
+    for (int64_t c = 0; c < nfull; c += 16) {
+        __m512 wv[RB];
+        for (int i = 0; i < RB; i++) wv[i] = _mm512_loadu_ps(wr[i] + c);
+        for (int j = 0; j < tb; j++) {
+            __m512 xv = _mm512_loadu_ps(xr[j] + c);
+            for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+        }
+    }
+    if (nfull < n) {
+        __mmask16 m = (__mmask16)((1u << (n - nfull)) - 1u);
+        __m512 wv[RB];
+        for (int i = 0; i < RB; i++) wv[i] = _mm512_maskz_loadu_ps(m, wr[i] + nfull);
+        for (int j = 0; j < tb; j++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, xr[j] + nfull);
+            for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+        }
+    }
+    for (int j = 0; j < tb; j++)
+        for (int i = 0; i < RB; i++) out[j][i] = hsum16_avx512(acc[j][i]);
+}
+
+MT_AVX512 static void tile_avx512(int tb, const float *const *xr, const float *const *wr, int64_t n,
+                                  float out[TBMAX][RB]) {
+    switch (tb) {
+    case 1: tile_avx512_tb(1, xr, wr, n, out); break;
+    case 2: tile_avx512_tb(2, xr, wr, n, out); break;
+    case 3: tile_avx512_tb(3, xr, wr, n, out); break;
+    default: tile_avx512_tb(4, xr, wr, n, out); break;
+    }
+}
+
+MT_AVX512 static float sum_avx512(const float *a, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    const int64_t nfull = n & ~(int64_t)15;
+    for (int64_t k = 0; k < nfull; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(a + k));
+    if (nfull < n) {
+        __mmask16 m = (__mmask16)((1u << (n - nfull)) - 1u);
+        acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(m, a + nfull));
+    }
+    return hsum16_avx512(acc);
+}
+
+/* int4, group size a multiple of 32: 16 bytes -> 32 columns at a time. Nibble n maps
+ * through a 16-entry table (n - 8) * scale, i.e. exactly (float)q * scale. */
+MT_AVX512 static void dequant_int4_avx512(const qmat *w, int64_t r, float *buf) {
+    const uint8_t *row = w->data + r * w->row_bytes;
+    const uint16_t *s = w->scales + r * w->ngroups;
+    const __m512 nib = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    const int64_t bytes_per_group = w->g / 2;
+    for (int64_t gi = 0; gi < w->ngroups; gi++) {
+        const __m512 table = _mm512_mul_ps(nib, _mm512_set1_ps(f16_to_f32(s[gi])));
+        const uint8_t *q = row + gi * bytes_per_group;
+        float *o = buf + gi * w->g;
+        for (int64_t b = 0; b < bytes_per_group; b += 16) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(q + b));
+            __m128i lo = _mm_and_si128(v, lo4);
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+            __m128i n0 = _mm_unpacklo_epi8(lo, hi); /* columns 0..15 of the 32 */
+            __m128i n1 = _mm_unpackhi_epi8(lo, hi); /* columns 16..31 */
+            _mm512_storeu_ps(o + 2 * b, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(n0), table));
+            _mm512_storeu_ps(o + 2 * b + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(n1), table));
+        }
+    }
+}
+
+/* int8, group size a multiple of 16. */
+MT_AVX512 static void dequant_int8_avx512(const qmat *w, int64_t r, float *buf) {
+    const int8_t *row = (const int8_t *)(w->data + r * w->row_bytes);
+    const uint16_t *s = w->scales + r * w->ngroups;
+    for (int64_t gi = 0; gi < w->ngroups; gi++) {
+        const __m512 sc = _mm512_set1_ps(f16_to_f32(s[gi]));
+        for (int64_t c = gi * w->g; c < (gi + 1) * w->g; c += 16) {
+            __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c)));
+            _mm512_storeu_ps(buf + c, _mm512_mul_ps(_mm512_cvtepi32_ps(q), sc));
+        }
+    }
+}
+
+MT_AVX512 static void dequant_bf16_avx512(const qmat *w, int64_t r, float *buf) {
+    const uint16_t *row = (const uint16_t *)(w->data + r * w->row_bytes);
+    const int64_t C = w->cols, nfull = C & ~(int64_t)15;
+    for (int64_t c = 0; c < nfull; c += 16) {
+        __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + c)));
+        _mm512_storeu_ps(buf + c, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    }
+    for (int64_t c = nfull; c < C; c++) {
+        uint32_t bits = (uint32_t)row[c] << 16;
+        memcpy(&buf[c], &bits, 4);
+    }
+}
+
+MT_AVX512 static void pv_avx512(int nh, const float *const *p, const float *v, int64_t vstride,
+                                int64_t n, int64_t dv, float *const *acc) {
+    /* 4 heads x 4 chunks of 16 values in registers; s runs innermost, in order */
+    for (int64_t d0 = 0; d0 < dv; d0 += 64) {
+        int nc = (int)((dv - d0 + 15) / 16);
+        if (nc > 4) nc = 4;
+        __mmask16 mk[4];
+        for (int c = 0; c < 4; c++) {
+            int64_t left = dv - d0 - 16 * c;
+            mk[c] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+        }
+        __m512 a[4][4];
+        for (int h = 0; h < 4; h++)
+            for (int c = 0; c < 4; c++) a[h][c] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < n; s++) {
+            const float *vr = v + s * vstride + d0;
+            __m512 vv[4];
+            for (int c = 0; c < 4; c++) vv[c] = _mm512_maskz_loadu_ps(mk[c], vr + 16 * c);
+            for (int h = 0; h < nh; h++) {
+                __m512 ps = _mm512_set1_ps(p[h][s]);
+                for (int c = 0; c < 4; c++) a[h][c] = _mm512_fmadd_ps(ps, vv[c], a[h][c]);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            for (int c = 0; c < nc; c++) _mm512_mask_storeu_ps(acc[h] + d0 + 16 * c, mk[c], a[h][c]);
+    }
+}
+
+static int cpu_has_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#else
+static int cpu_has_avx512(void) { return 0; }
+#endif
+
+/* ---------------------------------------------------------------- dispatch helpers */
+
+static void tile(int simd, int tb, const float *const *xr, const float *const *wr, int64_t n,
+                 float out[TBMAX][RB]) {
+#if MT_X86
+    if (simd) {
+        tile_avx512(tb, xr, wr, n, out);
+        return;
+    }
+#endif
+    (void)simd;
+    tile_generic(tb, xr, wr, n, out);
+}
+
+static float sum_n(int simd, const float *a, int64_t n) {
+#if MT_X86
+    if (simd) return sum_avx512(a, n);
+#endif
+    (void)simd;
+    return sum_generic(a, n);
+}
+
+/* Returns a pointer to row r's float values: the row itself (f32 with SIMD: masked loads
+ * never read past the row) or buf, filled with the exact dequantized values. */
+static const float *row_values(int simd, const qmat *w, int64_t r, float *buf) {
+#if MT_X86
+    if (simd) {
+        switch (w->dtype) {
+        case DT_F32: return (const float *)(w->data + r * w->row_bytes);
+        case DT_BF16: dequant_bf16_avx512(w, r, buf); return buf;
+        case DT_INT8:
+            if (w->g % 16 == 0) { dequant_int8_avx512(w, r, buf); return buf; }
+            break;
+        case DT_INT4:
+            if (w->g % 32 == 0) { dequant_int4_avx512(w, r, buf); return buf; }
+            break;
+        }
+    }
+#endif
+    (void)simd;
+    dequant_row_generic(w, r, buf);
+    return buf;
+}
+
+static int64_t rowbuf_len(const qmat *w) {
+    int64_t n = round16(w->cols);
+    int64_t cp = w->g ? w->ngroups * w->g : w->cols;
+    return (n > cp ? n : cp) + 16;
+}
+
+static void *xalloc(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) return NULL;
+    return p;
+}
+
+/* y[t, r] = dot(x[t], w[r], C) (+ bias[r]).  x [T, C], y [T, R]. Returns 0 or -1 (no memory). */
+static int linear_impl(int simd, int nthreads, const float *x, int64_t T, const qmat *w,
+                       const float *bias, float *y) {
+    const int64_t R = w->rows, C = w->cols, nb = (R + RB - 1) / RB, blen = rowbuf_len(w);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && nb > 1)
+    {
+        float *buf = xalloc((size_t)(RB * blen) * 4);
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; b++) {
+            if (!buf) continue;
+            const int64_t r0 = b * RB;
+            const int nr = (int)(R - r0 < RB ? R - r0 : RB);
+            const float *wr[RB];
+            for (int i = 0; i < RB; i++)
+                wr[i] = i < nr ? row_values(simd, w, r0 + i, buf + i * blen) : wr[nr - 1];
+            for (int64_t t0 = 0; t0 < T; t0 += TBMAX) {
+                const int tb = (int)(T - t0 < TBMAX ? T - t0 : TBMAX);
+                const float *xr[TBMAX];
+                for (int j = 0; j < TBMAX; j++) xr[j] = x + (t0 + (j < tb ? j : 0)) * C;
+                float res[TBMAX][RB];
+                tile(simd, tb, xr, wr, C, res);
+                for (int j = 0; j < tb; j++)
+                    for (int i = 0; i < nr; i++)
+                        y[(t0 + j) * R + r0 + i] = bias ? res[j][i] + bias[r0 + i] : res[j][i];
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+/* SwiGLU expert: y = down(silu(gate x) * up x). x [T, D], y [T, D]. */
+static int ffn_impl(int simd, int nthreads, const float *x, int64_t T, const qmat *gate,
+                    const qmat *up, const qmat *down, float *y) {
+    const int64_t I = gate->rows;
+    float *hg = xalloc((size_t)(T * I) * 4), *hu = xalloc((size_t)(T * I) * 4);
+    int rc = -1;
+    if (hg && hu && linear_impl(simd, nthreads, x, T, gate, NULL, hg) == 0 &&
+        linear_impl(simd, nthreads, x, T, up, NULL, hu) == 0) {
+        /* silu(g) * u exactly as the reference writes it: (g / (1 + exp(-g))) * u */
+        for (int64_t i = 0; i < T * I; i++) {
+            float gv = hg[i];
+            float sl = gv / (1.0f + expf(-gv));
+            hg[i] = sl * hu[i];
+        }
+        rc = linear_impl(simd, nthreads, hg, T, down, NULL, y);
+    }
+    free(hg);
+    free(hu);
+    return rc;
+}
+
+static void rmsnorm_impl(int simd, const float *x, int64_t T, int64_t C, const float *wt, float eps,
+                         float *y) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * C;
+        float res[TBMAX][RB];
+        const float *xs[TBMAX] = {xr, xr, xr, xr};
+        const float *ws[RB] = {xr, xr, xr, xr};
+        tile(simd, 1, xs, ws, C, res); /* sum of squares = dot(x, x, C) */
+        float var = res[0][0] / (float)C;
+        float den = sqrtf(var + eps);
+        for (int64_t c = 0; c < C; c++) y[t * C + c] = xr[c] / den * wt[c];
+    }
+}
+
+static void softmax_row(int simd, const float *x, int64_t n, float *y) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m; /* max: exact in any order */
+    for (int64_t i = 0; i < n; i++) y[i] = expf(x[i] - m);
+    float s = sum_n(simd, y, n);
+    for (int64_t i = 0; i < n; i++) y[i] = y[i] / s;
+}
+
+/* Causal attention of T query rows of one sequence. One work item = (t, kv head, block
+ * of up to 4 query heads of that kv head); the items are independent. */
+static int attention_impl(int simd, int nthreads, const float *q, const float *k, const float *v,
+                          const int64_t *qpos, int64_t T, int64_t H, int64_t S, int64_t Hkv,
+                          int64_t dq, int64_t dv, float scale, float *out) {
+    const int64_t rep = H / Hkv, hblocks = (rep + 3) / 4, items = T * Hkv * hblocks;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
+    {
+        float *sc = xalloc((size_t)(4 * (S + 16)) * 4);
+        if (!sc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!sc) continue;
+            const int64_t t = it / (Hkv * hblocks), kvh = (it / hblocks) % Hkv, hb = it % hblocks;
+            const int64_t h0 = kvh * rep + hb * 4;
+            const int nh = (int)(rep - hb * 4 < 4 ? rep - hb * 4 : 4);
+            const int64_t n = qpos[t] + 1; /* keys 0..q_pos[t] */
+            const float *qr[TBMAX];
+            float *p[4];
+            for (int j = 0; j < TBMAX; j++) qr[j] = q + (t * H + h0 + (j < nh ? j : 0)) * dq;
+            for (int j = 0; j < 4; j++) p[j] = sc + j * (S + 16);
+            /* scores: heads x keys tiles of the dot contract */
+            for (int64_t s0 = 0; s0 < n; s0 += RB) {
+                const int ns = (int)(n - s0 < RB ? n - s0 : RB);
+                const float *kr[RB];
+                for (int i = 0; i < RB; i++) kr[i] = k + ((s0 + (i < ns ? i : 0)) * Hkv + kvh) * dq;
+                float res[TBMAX][RB];
+                tile(simd, nh, qr, kr, dq, res);
+                for (int j = 0; j < nh; j++)
+                    for (int i = 0; i < ns; i++) p[j][s0 + i] = res[j][i] * scale;
+            }
+            for (int j = 0; j < nh; j++) softmax_row(simd, p[j], n, p[j]);
+            float *o[4];
+            for (int j = 0; j < 4; j++) o[j] = out + (t * H + h0 + (j < nh ? j : 0)) * dv;
+#if MT_X86
+            if (simd)
+                pv_avx512(nh, (const float *const *)p, v + kvh * dv, Hkv * dv, n, dv, o);
+            else
+#endif
+                pv_generic(nh, (const float *const *)p, v + kvh * dv, Hkv * dv, n, dv, o);
+        }
+        free(sc);
+    }
+    return failed ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------- Python bindings
+ * The Python layer (moetier.kernels.fast) validates dtypes and shapes; here every buffer
+ * is checked against the byte length the kernel will touch, so a wrong call raises
+ * instead of reading or writing out of bounds. */
+
+typedef struct {
+    Py_buffer views[16];
+    int n;
+} bufset;
+
+static void bufset_release(bufset *bs) {
+    for (int i = 0; i < bs->n; i++) PyBuffer_Release(&bs->views[i]);
+    bs->n = 0;
+}
+
+static void *get_buf(bufset *bs, PyObject *obj, int64_t need, int writable, const char *what) {
+    if (obj == Py_None) {
+        PyErr_Format(PyExc_ValueError, "%s is missing", what);
+        return NULL;
+    }
+    Py_buffer *v = &bs->views[bs->n];
+    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return NULL;
+    bs->n++;
+    if (v->len < need) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, the kernel needs %lld", what, v->len,
+                     (long long)need);
+        return NULL;
+    }
+    return v->buf;
+}
+
+static int parse_qmat(bufset *bs, PyObject *spec, int64_t rows, int64_t cols, qmat *w, const char *what) {
+    int dtype;
+    long long g;
+    PyObject *data, *scales;
+    if (!PyArg_ParseTuple(spec, "iOOL", &dtype, &data, &scales, &g)) return -1;
+    memset(w, 0, sizeof(*w));
+    w->dtype = dtype;
+    w->rows = rows;
+    w->cols = cols;
+    w->g = g;
+    if (dtype == DT_F32 || dtype == DT_BF16) {
+        w->row_bytes = cols * (dtype == DT_F32 ? 4 : 2);
+    } else if (dtype == DT_INT8 || dtype == DT_INT4) {
+        if (g <= 0 || (dtype == DT_INT4 && g % 2)) {
+            PyErr_Format(PyExc_ValueError, "%s: invalid group size %lld", what, g);
+            return -1;
+        }
+        w->ngroups = (cols + g - 1) / g;
+        w->row_bytes = dtype == DT_INT8 ? w->ngroups * g : w->ngroups * g / 2;
+        w->scales = get_buf(bs, scales, rows * w->ngroups * 2, 0, what);
+        if (!w->scales) return -1;
+    } else {
+        PyErr_Format(PyExc_ValueError, "%s: unknown dtype code %d", what, dtype);
+        return -1;
+    }
+    w->data = get_buf(bs, data, rows * w->row_bytes, 0, what);
+    return w->data ? 0 : -1;
+}
+
+static int pick_simd(int simd) {
+    static int have = -1;
+    if (have < 0) have = cpu_has_avx512();
+    return simd && have;
+}
+
+static PyObject *py_linear(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *wspec, *bo, *yo;
+    long long T, C, R;
+    int simd, nthreads;
+    if (!PyArg_ParseTuple(args, "OLLLOOOii", &xo, &T, &C, &R, &wspec, &bo, &yo, &simd, &nthreads))
+        return NULL;
+    bufset bs = {.n = 0};
+    qmat w;
+    const float *x, *bias = NULL;
+    float *y;
+    int rc;
+    if (parse_qmat(&bs, wspec, R, C, &w, "w") < 0) goto fail;
+    if (!(x = get_buf(&bs, xo, T * C * 4, 0, "x"))) goto fail;
+    if (bo != Py_None && !(bias = get_buf(&bs, bo, R * 4, 0, "bias"))) goto fail;
+    if (!(y = get_buf(&bs, yo, T * R * 4, 1, "out"))) goto fail;
+    simd = pick_simd(simd);
+    Py_BEGIN_ALLOW_THREADS
+    rc = linear_impl(simd, nthreads, x, T, &w, bias, y);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+fail:
+    bufset_release(&bs);
+    return NULL;
+}
+
+static PyObject *py_ffn(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *gs, *us, *ds, *yo;
+    long long T, D, I;
+    int simd, nthreads;
+    if (!PyArg_ParseTuple(args, "OLLLOOOOii", &xo, &T, &D, &I, &gs, &us, &ds, &yo, &simd, &nthreads))
+        return NULL;
+    bufset bs = {.n = 0};
+    qmat g, u, d;
+    const float *x;
+    float *y;
+    int rc;
+    if (parse_qmat(&bs, gs, I, D, &g, "gate") < 0 || parse_qmat(&bs, us, I, D, &u, "up") < 0 ||
+        parse_qmat(&bs, ds, D, I, &d, "down") < 0)
+        goto fail;
+    if (!(x = get_buf(&bs, xo, T * D * 4, 0, "x"))) goto fail;
+    if (!(y = get_buf(&bs, yo, T * D * 4, 1, "out"))) goto fail;
+    simd = pick_simd(simd);
+    Py_BEGIN_ALLOW_THREADS
+    rc = ffn_impl(simd, nthreads, x, T, &g, &u, &d, y);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+fail:
+    bufset_release(&bs);
+    return NULL;
+}
+
+static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *wo, *yo;
+    long long T, C;
+    float eps;
+    int simd;
+    if (!PyArg_ParseTuple(args, "OLLOfOi", &xo, &T, &C, &wo, &eps, &yo, &simd)) return NULL;
+    bufset bs = {.n = 0};
+    const float *x, *wt;
+    float *y;
+    if (!(x = get_buf(&bs, xo, T * C * 4, 0, "x")) || !(wt = get_buf(&bs, wo, C * 4, 0, "weight")) ||
+        !(y = get_buf(&bs, yo, T * C * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    simd = pick_simd(simd);
+    Py_BEGIN_ALLOW_THREADS
+    rmsnorm_impl(simd, x, T, C, wt, eps, y);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_softmax(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *yo;
+    long long T, N;
+    int simd;
+    if (!PyArg_ParseTuple(args, "OLLOi", &xo, &T, &N, &yo, &simd)) return NULL;
+    bufset bs = {.n = 0};
+    const float *x;
+    float *y;
+    if (!(x = get_buf(&bs, xo, T * N * 4, 0, "x")) || !(y = get_buf(&bs, yo, T * N * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    simd = pick_simd(simd);
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t t = 0; t < T; t++) softmax_row(simd, x + t * N, N, y + t * N);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attention(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *qo, *ko, *vo, *po, *yo;
+    long long T, H, S, Hkv, dq, dv;
+    float scale;
+    int simd, nthreads;
+    if (!PyArg_ParseTuple(args, "OOOOLLLLLLfOii", &qo, &ko, &vo, &po, &T, &H, &S, &Hkv, &dq, &dv, &scale,
+                          &yo, &simd, &nthreads))
+        return NULL;
+    bufset bs = {.n = 0};
+    const float *q, *k, *v;
+    const int64_t *qpos;
+    float *y;
+    int rc;
+    if (Hkv <= 0 || H % Hkv) {
+        PyErr_Format(PyExc_ValueError, "H=%lld is not a multiple of Hkv=%lld", H, Hkv);
+        return NULL;
+    }
+    if (!(q = get_buf(&bs, qo, T * H * dq * 4, 0, "q")) || !(k = get_buf(&bs, ko, S * Hkv * dq * 4, 0, "k")) ||
+        !(v = get_buf(&bs, vo, S * Hkv * dv * 4, 0, "v")) || !(qpos = get_buf(&bs, po, T * 8, 0, "q_pos")) ||
+        !(y = get_buf(&bs, yo, T * H * dv * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        if (qpos[t] < 0 || qpos[t] >= S) {
+            bufset_release(&bs);
+            PyErr_Format(PyExc_ValueError, "q_pos[%lld]=%lld outside the %lld cached positions", (long long)t,
+                         (long long)qpos[t], S);
+            return NULL;
+        }
+    }
+    simd = pick_simd(simd);
+    Py_BEGIN_ALLOW_THREADS
+    rc = attention_impl(simd, nthreads, q, k, v, qpos, T, H, S, Hkv, dq, dv, scale, y);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_has_simd(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyBool_FromLong(pick_simd(1));
+}
+
+static PyMethodDef methods[] = {
+    {"linear", py_linear, METH_VARARGS, "linear(x, T, C, R, (dtype, data, scales, g), bias, out, simd, threads)"},
+    {"ffn", py_ffn, METH_VARARGS, "ffn(x, T, D, I, gate, up, down, out, simd, threads)"},
+    {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, T, C, weight, eps, out, simd)"},
+    {"softmax", py_softmax, METH_VARARGS, "softmax(x, T, N, out, simd)"},
+    {"attention", py_attention, METH_VARARGS,
+     "attention(q, k, v, q_pos, T, H, S, Hkv, dq, dv, scale, out, simd, threads)"},
+    {"has_simd", py_has_simd, METH_NOARGS, "True when the AVX-512 path runs on this CPU"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_ckernels",
+                                    "moetier C kernels (see moetier/kernels/fast.py)", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__ckernels(void) { return PyModule_Create(&moddef); }

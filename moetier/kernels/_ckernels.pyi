@@ -1,0 +1,21 @@
+"""Types of the C extension built from _ckernels.c (see moetier/kernels/fast.py for use).
+
+A weight spec is (dtype code, data, float16 scales as uint16 or None, group size) with
+dtype codes f32 = 0, bf16 = 1, int8 = 2, int4 = 3. simd = 1 selects the AVX-512 path
+when the CPU has it. Every buffer must be C-contiguous; its size is checked.
+"""
+
+from typing import Any
+
+import numpy as np
+
+WSpec = tuple[int, np.ndarray, np.ndarray | None, int]
+
+def linear(x: Any, t: int, c: int, r: int, w: WSpec, bias: Any, out: Any, simd: int, threads: int) -> None: ...
+def ffn(x: Any, t: int, d: int, i: int, gate: WSpec, up: WSpec, down: WSpec, out: Any, simd: int,
+        threads: int) -> None: ...
+def rmsnorm(x: Any, t: int, c: int, weight: Any, eps: float, out: Any, simd: int) -> None: ...
+def softmax(x: Any, t: int, n: int, out: Any, simd: int) -> None: ...
+def attention(q: Any, k: Any, v: Any, q_pos: Any, t: int, h: int, s: int, hkv: int, dq: int, dv: int,
+              scale: float, out: Any, simd: int, threads: int) -> None: ...
+def has_simd() -> bool: ...

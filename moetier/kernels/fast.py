@@ -1,0 +1,357 @@
+"""FastOps: the engine's row-invariant kernels behind the `Ops` protocol.
+
+Shapes: T = rows, C = input features, R = output features, H/Hkv = heads, S = cached
+positions, dq/dv = key/value width, K = top-k, D = hidden, I = expert intermediate.
+
+Two backends compute the same bits (tests check it):
+  * "c"     -- moetier/kernels/_ckernels.c, built by the package install; AVX-512 where
+               the CPU has it, portable C elsewhere (same bits again);
+  * "numba" -- moetier/kernels/_nbkernels.py, the fallback when the extension is absent.
+The arithmetic contract that makes every kernel row-invariant, and every backend
+bit-identical, is written at the top of _ckernels.c.
+
+This module validates inputs (ValueError naming the shapes), puts arrays in the layout
+the kernels take, and groups MoE rows by expert. Everything numeric happens in a kernel
+or in elementwise numpy, which is row-invariant by nature.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from moetier.kernels import _nbkernels as nb
+from moetier.weights.quant import QDTYPES, ExpertWeights, QTensor
+
+log = logging.getLogger(__name__)
+
+F32 = npt.NDArray[np.float32]
+Backend = Literal["auto", "c", "c-portable", "numba"]
+_DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
+
+try:
+    from moetier.kernels import _ckernels as _c
+
+    _C: ModuleType | None = _c
+except ImportError:  # built by the install; absent when no compiler was available
+    _C = None
+
+
+def c_available() -> bool:
+    """True when the C extension was built (pip install compiles it)."""
+    return _C is not None
+
+
+def c_has_simd() -> bool:
+    """True when the C extension runs its AVX-512 path on this CPU."""
+    return _C is not None and bool(_C.has_simd())
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _f32(a: Any, name: str) -> F32:
+    arr = np.asarray(a)
+    if arr.dtype != np.float32:
+        raise ValueError(f"{name} must be float32, got {arr.dtype} with shape {arr.shape}")
+    return np.require(arr, np.float32, ["C", "A"])
+
+
+def _matrix_shape(w: QTensor, name: str) -> tuple[int, int]:
+    if w.dtype not in QDTYPES:
+        raise ValueError(f"{name}: unknown dtype {w.dtype!r}")
+    if len(w.shape) != 2:
+        raise ValueError(f"{name} must be a 2-D matrix, got shape {w.shape}")
+    rows, cols = (int(n) for n in w.shape)
+    if w.dtype in ("f32", "bf16"):
+        want = np.float32 if w.dtype == "f32" else np.uint16
+        if w.data.dtype != want or w.data.shape != (rows, cols):
+            raise ValueError(f"{name}: {w.dtype} data must be {np.dtype(want)} {(rows, cols)}, "
+                             f"got {w.data.dtype} {w.data.shape}")
+        return rows, cols
+    g = int(w.group_size)
+    if g <= 0 or (w.dtype == "int4" and g % 2):
+        raise ValueError(f"{name}: invalid group size {g} for {w.dtype}")
+    cp = -(-cols // g) * g
+    want_data = (rows, cp) if w.dtype == "int8" else (rows, cp // 2)
+    want_dt = np.int8 if w.dtype == "int8" else np.uint8
+    if w.data.dtype != want_dt or w.data.shape != want_data:
+        raise ValueError(f"{name}: {w.dtype} data for shape {w.shape} (g={g}) must be "
+                         f"{np.dtype(want_dt)} {want_data}, got {w.data.dtype} {w.data.shape}")
+    if w.scales is None or w.scales.dtype != np.float16 or w.scales.shape != (rows, cp // g):
+        got = None if w.scales is None else (w.scales.dtype, w.scales.shape)
+        raise ValueError(f"{name}: {w.dtype} scales for shape {w.shape} (g={g}) must be "
+                         f"float16 {(rows, cp // g)}, got {got}")
+    return rows, cols
+
+
+def _raw(w: QTensor) -> tuple[int, np.ndarray, np.ndarray | None, int]:
+    """(dtype code, data, float16 scales as uint16 bits, g), contiguous and aligned."""
+    data = np.require(w.data, None, ["C", "A"])
+    scales = None if w.scales is None else np.require(w.scales, None, ["C", "A"]).view(np.uint16)
+    return _DT[w.dtype], data, scales, int(w.group_size)
+
+
+def _check_expert(w: ExpertWeights, e: int, d: int) -> int:
+    ig, dg = _matrix_shape(w.gate, f"expert {e} gate")
+    iu, du = _matrix_shape(w.up, f"expert {e} up")
+    dd, id_ = _matrix_shape(w.down, f"expert {e} down")
+    if not (dg == du == dd == d and ig == iu == id_):
+        raise ValueError(f"expert {e}: gate {w.gate.shape}, up {w.up.shape}, down {w.down.shape} "
+                         f"do not fit x [T, {d}] (want gate/up [I, {d}], down [{d}, I])")
+    return ig
+
+
+# ---------------------------------------------------------------- backends
+
+
+class _CBackend:
+    def __init__(self, mod: ModuleType, simd: bool, threads: int) -> None:
+        self.mod, self.simd, self.threads = mod, int(simd), threads
+
+    def linear(self, x: F32, w: QTensor, bias: F32 | None, out: F32) -> None:
+        t, c = x.shape
+        self.mod.linear(x, t, c, out.shape[1], _raw(w), bias, out, self.simd, self.threads)
+
+    def ffn(self, x: F32, w: ExpertWeights, out: F32) -> None:
+        t, d = x.shape
+        self.mod.ffn(x, t, d, w.gate.shape[0], _raw(w.gate), _raw(w.up), _raw(w.down), out, self.simd,
+                     self.threads)
+
+    def rmsnorm(self, x: F32, weight: F32, eps: float, out: F32) -> None:
+        self.mod.rmsnorm(x, x.shape[0], x.shape[1], weight, eps, out, self.simd)
+
+    def softmax(self, x: F32, out: F32) -> None:
+        self.mod.softmax(x, x.shape[0], x.shape[1], out, self.simd)
+
+    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float, out: F32) -> None:
+        t, h, dq = q.shape
+        s, hkv, dv = v.shape
+        self.mod.attention(q, k, v, q_pos, t, h, s, hkv, dq, dv, scale, out, self.simd, self.threads)
+
+
+_NO_SCALES = np.zeros((1, 0), dtype=np.uint16)
+_NO_BIAS = np.zeros(0, dtype=np.float32)
+
+
+class _NumbaBackend:
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    @staticmethod
+    def _bytes(w: QTensor) -> tuple[np.ndarray, np.ndarray, int, int]:
+        code, data, scales, g = _raw(w)
+        rows = data.shape[0]
+        return data.view(np.uint8).reshape(rows, -1), (_NO_SCALES if scales is None else scales), code, g
+
+    def _threads(self) -> None:
+        import numba
+
+        most = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+        numba.set_num_threads(max(1, min(self.threads, most)))
+
+    def linear(self, x: F32, w: QTensor, bias: F32 | None, out: F32) -> None:
+        data, scales, code, g = self._bytes(w)
+        self._threads()
+        nb.linear(x, data, scales, code, max(g, 1), x.shape[1], _NO_BIAS if bias is None else bias,
+                  bias is not None, out)
+
+    def ffn(self, x: F32, w: ExpertWeights, out: F32) -> None:
+        t, i = x.shape[0], w.gate.shape[0]
+        hg = np.empty((t, i), dtype=np.float32)
+        hu = np.empty((t, i), dtype=np.float32)
+        self.linear(x, w.gate, None, hg)
+        self.linear(x, w.up, None, hu)
+        nb.swiglu(hg, hu)
+        self.linear(hg, w.down, None, out)
+
+    def rmsnorm(self, x: F32, weight: F32, eps: float, out: F32) -> None:
+        nb.rmsnorm(x, weight, np.float32(eps), out)
+
+    def softmax(self, x: F32, out: F32) -> None:
+        nb.softmax(x, out)
+
+    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float, out: F32) -> None:
+        self._threads()
+        nb.attention(q, k, v, q_pos, np.float32(scale), out)
+
+
+# ---------------------------------------------------------------- FastOps
+
+
+class FastOps:
+    """The `Ops` protocol on row-invariant kernels (see the module docstring).
+
+    backend: "auto" (C if built, else numba), "c" (AVX-512 when the CPU has it),
+    "c-portable" (the C kernels without SIMD; same bits, for tests), "numba".
+    threads: worker threads per call (default: the CPUs this process may run on).
+    """
+
+    def __init__(self, backend: Backend = "auto", threads: int | None = None) -> None:
+        self.threads = threads if threads is not None else default_threads()
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if backend == "auto":
+            backend = "c" if _C is not None else "numba"
+            if _C is None:
+                log.warning("moetier C kernels are not built; using the numba kernels (same bits, slower)")
+        if backend in ("c", "c-portable"):
+            if _C is None:
+                raise ValueError(f"backend {backend!r}: the C extension moetier.kernels._ckernels is not built")
+            self._k: _CBackend | _NumbaBackend = _CBackend(_C, backend == "c", self.threads)
+            self.backend = "c-avx512" if backend == "c" and c_has_simd() else "c-portable"
+        elif backend == "numba":
+            self._k = _NumbaBackend(self.threads)
+            self.backend = "numba"
+        else:
+            raise ValueError(f"unknown backend {backend!r}; expected auto, c, c-portable or numba")
+
+    def __repr__(self) -> str:
+        return f"FastOps(backend={self.backend!r}, threads={self.threads})"
+
+    def linear(self, x: F32, w: QTensor, bias: F32 | None = None) -> F32:
+        """x [T, C] @ w[R, C].T (+ bias [R]) -> [T, R]."""
+        x = _f32(x, "x")
+        rows, cols = _matrix_shape(w, "w")
+        if x.ndim != 2 or x.shape[1] != cols:
+            raise ValueError(f"linear: x {x.shape} does not fit w {w.shape} (want x [T, {cols}])")
+        if bias is not None:
+            bias = _f32(bias, "bias")
+            if bias.shape != (rows,):
+                raise ValueError(f"linear: bias {bias.shape} does not fit w {w.shape} (want [{rows}])")
+        out = np.empty((x.shape[0], rows), dtype=np.float32)
+        if x.shape[0] and rows:
+            self._k.linear(x, w, bias, out)
+        return out
+
+    def rmsnorm(self, x: F32, weight: F32, eps: float) -> F32:
+        """Row-wise x / sqrt(mean(x^2) + eps) * weight; x [T, C] -> [T, C]."""
+        x = _f32(x, "x")
+        weight = _f32(weight, "weight")
+        if x.ndim != 2 or weight.shape != (x.shape[1],):
+            raise ValueError(f"rmsnorm: x {x.shape} and weight {weight.shape} do not fit (want x [T, C], weight [C])")
+        out = np.empty_like(x)
+        if x.size:
+            self._k.rmsnorm(x, weight, float(eps), out)
+        return out
+
+    def softmax(self, x: F32) -> F32:
+        """Row-wise softmax over the last axis; x [T, N] -> [T, N] (any leading shape)."""
+        x = _f32(x, "x")
+        if x.ndim < 1 or x.shape[-1] == 0:
+            raise ValueError(f"softmax: x {x.shape} has no last axis to normalise")
+        flat = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(flat)
+        if flat.shape[0]:
+            self._k.softmax(flat, out)
+        return out.reshape(x.shape)
+
+    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float) -> F32:
+        """q [T, H, dq], k [S, Hkv, dq], v [S, Hkv, dv], q_pos [T] -> [T, H, dv] (causal by q_pos)."""
+        q, k, v = _f32(q, "q"), _f32(k, "k"), _f32(v, "v")
+        pos = np.asarray(q_pos)
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+            raise ValueError(f"attention: want q [T, H, dq], k [S, Hkv, dq], v [S, Hkv, dv]; "
+                             f"got q {q.shape}, k {k.shape}, v {v.shape}")
+        t, h, dq = q.shape
+        s, hkv, dv = v.shape
+        if k.shape[:2] != (s, hkv) or k.shape[2] != dq:
+            raise ValueError(f"attention: k {k.shape} does not fit q {q.shape} and v {v.shape}")
+        if hkv < 1 or h % hkv:
+            raise ValueError(f"attention: {h} query heads (q {q.shape}) are not a multiple of "
+                             f"{hkv} key/value heads (k {k.shape})")
+        if pos.shape != (t,) or not np.issubdtype(pos.dtype, np.integer):
+            raise ValueError(f"attention: q_pos must be integers of shape ({t},), got {pos.dtype} {pos.shape}")
+        pos = np.require(pos, np.int64, ["C", "A"])
+        if t and (pos.min() < 0 or pos.max() >= s):
+            raise ValueError(f"attention: q_pos {pos.min()}..{pos.max()} outside the {s} cached positions")
+        out = np.empty((t, h, dv), dtype=np.float32)
+        if t and h and dv:
+            self._k.attention(q, k, v, pos, float(scale), out)
+        return out
+
+    def expert_ffn(self, x: F32, w: ExpertWeights) -> F32:
+        """One SwiGLU expert: down(silu(gate x) * up x); x [T, D] -> [T, D]."""
+        x = _f32(x, "x")
+        if x.ndim != 2:
+            raise ValueError(f"expert_ffn: x must be [T, D], got {x.shape}")
+        _check_expert(w, -1, x.shape[1])
+        out = np.empty_like(x)
+        if x.shape[0]:
+            self._k.ffn(x, w, out)
+        return out
+
+    def moe(self, x: F32, ids: npt.NDArray[np.int32], weights: F32, experts: Mapping[int, ExpertWeights]) -> F32:
+        """out[t] = sum_k weights[t, k] * FFN_{ids[t, k]}(x[t]), the sum in k order; x [T, D] -> [T, D].
+
+        Rows routed to one expert are computed in one call; each row's result is
+        independent of its companions (the linear kernels are row-invariant) and the
+        combine is elementwise, in k order, exactly as the reference writes it.
+        """
+        x = _f32(x, "x")
+        ids_a = np.asarray(ids)
+        weights = _f32(weights, "weights")
+        if x.ndim != 2 or ids_a.ndim != 2 or ids_a.shape[0] != x.shape[0] or weights.shape != ids_a.shape:
+            raise ValueError(f"moe: want x [T, D], ids [T, K], weights [T, K]; got x {x.shape}, "
+                             f"ids {ids_a.shape}, weights {weights.shape}")
+        if not np.issubdtype(ids_a.dtype, np.integer):
+            raise ValueError(f"moe: ids must be integers, got {ids_a.dtype}")
+        t, d = x.shape
+        k = ids_a.shape[1]
+        ys = np.zeros((t * k, d), dtype=np.float32)  # [T*K, D], row t*K + j = slot j of row t
+        flat = ids_a.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        uniq, starts = np.unique(flat[order], return_index=True)
+        bounds = [*starts.tolist(), flat.size]
+        for n, e in enumerate(uniq.tolist()):
+            if e not in experts:
+                raise ValueError(f"moe: expert {e} is routed to but not among the {len(experts)} experts given")
+            w = experts[e]
+            _check_expert(w, e, d)
+            slots = order[bounds[n] : bounds[n + 1]]  # flat (row, slot) positions, rows ascending
+            xe = np.ascontiguousarray(x[slots // k])  # [n, D]
+            ye = np.empty_like(xe)
+            self._k.ffn(xe, w, ye)
+            ys[slots] = ye
+        out = np.zeros_like(x)
+        y3 = ys.reshape(t, k, d)  # [T, K, D]
+        for j in range(k):
+            out += weights[:, j : j + 1] * y3[:, j]
+        return out
+
+
+def warmup(backend: Backend = "auto") -> None:
+    """Compile (numba) or touch (C) every kernel for the common dtypes.
+
+    Services call this at start-up so the first request does not pay for JIT; numba's
+    compiled code is cached on disk (cache=True), so later processes load it.
+    """
+    ops = FastOps(backend, threads=1)
+    rng = np.random.default_rng(0)
+    from moetier.weights.quant import quantize
+
+    x = rng.standard_normal((2, 40), dtype=np.float32)
+    for dt in QDTYPES:
+        w = quantize(rng.standard_normal((6, 40), dtype=np.float32), dt, 32)
+        ops.linear(x, w, np.zeros(6, dtype=np.float32))
+    ew = ExpertWeights(*(quantize(rng.standard_normal(s, dtype=np.float32), "int4", 32)
+                         for s in ((8, 40), (8, 40), (40, 8))))
+    ops.moe(x, np.array([[0], [0]], dtype=np.int32), np.ones((2, 1), dtype=np.float32), {0: ew})
+    ops.rmsnorm(x, np.ones(40, dtype=np.float32), 1e-6)
+    ops.softmax(x)
+    q = rng.standard_normal((2, 2, 16), dtype=np.float32)
+    kv = rng.standard_normal((3, 1, 16), dtype=np.float32)
+    ops.attention(q, kv, kv, np.array([1, 2]), 0.25)
