@@ -113,10 +113,34 @@ class InferenceSection(_Section):
 
 
 class Endpoint(_Section):
+    """A gRPC service's addresses. Subclasses give per-service defaults, so overriding one field
+    (e.g. MOETIER_ROUTER__BIND) keeps the others."""
+
     bind: str = Field(description="host:port the service listens on.")
     address: str = Field(description="host:port other services use to reach it.")
     metrics_port: int = Field(description="Port of its Prometheus /metrics endpoint (0: none).")
     id: str = Field(description="Name it registers under.")
+
+
+class RouterEndpoint(Endpoint):
+    bind: str = Field("127.0.0.1:50051", description="host:port the service listens on.")
+    address: str = Field("127.0.0.1:50051", description="host:port other services use to reach it.")
+    metrics_port: int = Field(9101, ge=0, le=65535, description="Port of its Prometheus /metrics endpoint (0: none).")
+    id: str = Field("router", description="Name it registers under.")
+
+
+class WorkerEndpoint(Endpoint):
+    bind: str = Field("127.0.0.1:50052", description="host:port the service listens on.")
+    address: str = Field("127.0.0.1:50052", description="host:port other services use to reach it.")
+    metrics_port: int = Field(9102, ge=0, le=65535, description="Port of its Prometheus /metrics endpoint (0: none).")
+    id: str = Field("worker-0", description="Name it registers under.")
+
+
+class StoreEndpoint(Endpoint):
+    bind: str = Field("127.0.0.1:50053", description="host:port the service listens on.")
+    address: str = Field("127.0.0.1:50053", description="host:port other services use to reach it.")
+    metrics_port: int = Field(9103, ge=0, le=65535, description="Port of its Prometheus /metrics endpoint (0: none).")
+    id: str = Field("store-0", description="Name it registers under.")
 
 
 class GatewaySection(_Section):
@@ -136,12 +160,9 @@ class Settings(BaseSettings):
     cache: CacheSection = CacheSection()
     inference: InferenceSection = InferenceSection()
     gateway: GatewaySection = GatewaySection()
-    router: Endpoint = Endpoint(bind="127.0.0.1:50051", address="127.0.0.1:50051", metrics_port=9101,
-                                id="router")
-    dense_worker: Endpoint = Endpoint(bind="127.0.0.1:50052", address="127.0.0.1:50052", metrics_port=9102,
-                                      id="worker-0")
-    expert_store: Endpoint = Endpoint(bind="127.0.0.1:50053", address="127.0.0.1:50053", metrics_port=9103,
-                                      id="store-0")
+    router: RouterEndpoint = RouterEndpoint()
+    dense_worker: WorkerEndpoint = WorkerEndpoint()
+    expert_store: StoreEndpoint = StoreEndpoint()
     queue_capacity: int = Field(256, ge=1, description="Router: requests queued cluster-wide before 429 / "
                                 "RESOURCE_EXHAUSTED.")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Members heartbeat the router this often.")
