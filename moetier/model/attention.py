@@ -39,15 +39,15 @@ class Segment:
 
     cache: KVCache
     rows: slice  # its rows in the step's [T, ...] arrays
-    start: int  # first new position (= cache.length before the step)
+    positions: npt.NDArray[np.int64]  # [n] absolute positions of those rows: start .. end - 1
+
+    @property
+    def start(self) -> int:
+        return int(self.positions[0])
 
     @property
     def end(self) -> int:
-        return self.start + (self.rows.stop - self.rows.start)
-
-    @property
-    def positions(self) -> npt.NDArray[np.int64]:
-        return np.arange(self.start, self.end, dtype=np.int64)
+        return int(self.positions[-1]) + 1
 
 
 def _opt_vector(dense: Mapping[str, QTensor], name: str) -> F32 | None:

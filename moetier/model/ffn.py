@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.model.config import ModelArgs
-from moetier.model.ops import ExpertProvider, Ops, silu
+from moetier.model.ops import ExpertProvider, Ops, sigmoid, silu
 from moetier.model.router import Router
 from moetier.model.weights import vector
 from moetier.weights.quant import QTensor
@@ -54,6 +54,6 @@ class MoeBlock:
             s = self.shared(ops, x)  # [T, D]
             if self.shared_gate is not None:
                 g = ops.linear(x, self.shared_gate)  # [T, 1]
-                s = s * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))
+                s = s * sigmoid(g)
             y = y + s
         return np.ascontiguousarray(y, dtype=np.float32)

@@ -166,7 +166,8 @@ class Model:
         for cache, t in zip(caches, tokens, strict=True):
             if cache.layout != layout or cache.num_layers != self.args.num_layers:
                 raise ValueError("KV cache was made for a different model shape")
-            out.append(Segment(cache, slice(row, row + len(t)), cache.reserve(len(t))))
+            start = cache.reserve(len(t))
+            out.append(Segment(cache, slice(row, row + len(t)), np.arange(start, start + len(t), dtype=np.int64)))
             row += len(t)
         return out
 

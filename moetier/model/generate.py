@@ -55,7 +55,7 @@ def decode_one_token(model: Model, cache: KVCache, token: int) -> F32:
 def generate(model: Model, prompt: Sequence[int] | npt.NDArray[np.integer], params: SamplingParams,
              cache: KVCache | None = None, chunk_size: int | None = None) -> Iterator[GeneratedToken]:
     """Yield generated tokens; the last one carries its finish_reason. `cache`, when given,
-    already holds a prefix of nothing else but this sequence and is extended in place."""
+    holds this sequence's earlier tokens (a reused prefix) and is extended in place."""
     if params.max_tokens == 0:
         return
     cache = cache if cache is not None else model.new_cache()

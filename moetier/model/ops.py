@@ -76,6 +76,11 @@ class ExpertProvider(Protocol):
         ...
 
 
+def sigmoid(x: F32) -> F32:
+    with np.errstate(over="ignore"):  # exp(-x) -> inf for very negative x gives the right 0
+        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32, copy=False)
+
+
 def silu(x: F32) -> F32:
     return (x / (1.0 + np.exp(-x))).astype(np.float32, copy=False)
 

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.model.config import ModelArgs
-from moetier.model.ops import Ops
+from moetier.model.ops import Ops, sigmoid
 from moetier.weights.quant import QTensor
 
 F32 = npt.NDArray[np.float32]
@@ -70,7 +70,7 @@ class Router:
         """x [T, D] -> scores [T, E]."""
         logits = ops.linear(x, self.weight)  # [T, E]
         if self.args.scoring_func == "sigmoid":
-            return (np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))).astype(np.float32)
+            return sigmoid(logits)
         return ops.softmax(logits)
 
     def route(self, ops: Ops, x: F32) -> tuple[I32, F32]:
