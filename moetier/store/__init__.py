@@ -1,0 +1,35 @@
+"""The expert tier: RAM budget + policies over an aligned, checksummed, mirrored NVMe reader.
+
+Used in-process (`TieredExperts`, the forward pass's expert provider) and by the
+expert-store service. Modules:
+    index     RecordLocation, ExpertIndex: where each expert record lives
+    io        IOEngine: O_DIRECT preadv worker pool, single-flight, checksums, priorities
+    copies    primary + mirror directories: validation, weighted placement, degradation
+    tier      ExpertTier: byte budget, pins (acquire), eviction, prefetch hints
+    policy    lru, lfu, learned (history.py persists the learned policy's usage history)
+    stats     plain stats dataclasses and the per-expert heat snapshot
+    provider  TieredExperts: moe(layer, x, ids, weights) over a tier
+    trace     routing trace format and synthetic generators; sim: offline hit rates, Belady
+"""
+
+from moetier.store.index import ExpertIndex, ExpertKey, RecordLocation
+from moetier.store.io import DEMAND, PREFETCH, IOEngine
+from moetier.store.stats import DiskStats, HeatSnapshot, Histogram, IOStats, TierStats
+from moetier.store.tier import ExpertTier, Lease, TierConfig
+
+__all__ = [
+    "DEMAND",
+    "PREFETCH",
+    "DiskStats",
+    "ExpertIndex",
+    "ExpertKey",
+    "ExpertTier",
+    "HeatSnapshot",
+    "Histogram",
+    "IOEngine",
+    "IOStats",
+    "Lease",
+    "RecordLocation",
+    "TierConfig",
+    "TierStats",
+]

@@ -1,0 +1,451 @@
+"""The RAM tier: a byte budget of verified expert records over the I/O engine.
+
+    with tier.acquire(layer, ids) as experts:    # {expert id: ExpertWeights}
+        y = ops.moe(x, ids_tk, weights, experts)
+
+`acquire` takes one layer's batch union: hits are pinned at once, misses are all
+reserved and queued in one go (so their reads overlap), and the call returns when
+every record has been read and verified. While pinned an expert is never evicted.
+
+Invariants (kept under one lock):
+  * resident bytes + bytes reserved for reads in flight <= budget, always;
+    room is made by evicting unpinned resident experts in policy order;
+  * if the pinned working set cannot fit, `acquire` waits up to `pin_wait_s` for
+    other computes to release theirs, then raises ResourceExhausted naming the
+    numbers; a batch union larger than the whole budget raises at once;
+  * a failed read (DataCorruption, Unavailable) fails only the acquires that need
+    that expert; nothing of it stays behind, so the next acquire reads it again.
+
+Prefetch: `prefetch(layer, ids)` is a hint. Its reads queue behind demand reads,
+at most `prefetch_limit` at a time (over the bound the hint is dropped), and a
+queued prefetch read is dropped when a newer hint for the same layer no longer
+names it or when it is older than `prefetch_max_age` steps (`new_step()`).
+A prefetched expert later demanded counts as useful; evicted unused, as wasted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from concurrent.futures import Future
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from moetier.errors import FormatError, ResourceExhausted, Unavailable
+from moetier.store.buffers import Buffer, Holder
+from moetier.store.history import load_history, save_history
+from moetier.store.index import ExpertIndex, ExpertKey
+from moetier.store.io import DEMAND, PREFETCH, IOEngine, wait_future
+from moetier.store.policy import Learned, Policy, make_policy
+from moetier.store.stats import HEAT_LOADING, HEAT_PINNED, HEAT_RAM, HeatSnapshot, TierStats
+
+log = logging.getLogger(__name__)
+
+IdsLike = Iterable[int] | npt.NDArray[np.integer[Any]]
+
+
+@dataclass
+class TierConfig:
+    budget_bytes: int
+    policy: str = "lru"  # lru | lfu | learned
+    learned_fraction: float = 0.9  # share of the budget the learned policy's hot set may hold
+    learned_half_life: float = 20_000.0  # demand accesses after which a use counts half
+    history_path: Path | None = None  # learned: usage history file (loaded at start, saved on close)
+    prefetch_limit: int = 16  # prefetch reads queued or running at most
+    prefetch_max_age: int = 2  # steps after which a queued prefetch read is dropped
+    pin_wait_s: float = 1.0  # how long an acquire waits for room held by other computes
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: ExpertKey
+    nbytes: int
+    ready: Future[Any] | None = field(default_factory=Future)  # resolves with the value once verified
+    loading: bool = True
+    buf: Buffer | None = None
+    value: Any = None
+    pins: int = 0
+    prefetched: bool = False  # brought in by a hint
+    used: bool = False  # demanded since it came in
+    hint_step: int = 0
+
+
+class Lease:
+    """Experts pinned for one compute; `experts` maps expert id -> value. Release exactly once."""
+
+    def __init__(self, tier: ExpertTier, layer: int, entries: list[_Entry], misses: int) -> None:
+        self.tier = tier
+        self.layer = layer
+        self.entries = entries
+        self.misses = misses
+        self.experts: dict[int, Any] = {}
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.tier._end(self)
+
+
+class ExpertTier:
+    def __init__(self, engine: IOEngine, config: TierConfig) -> None:
+        self.engine = engine
+        self.index: ExpertIndex = engine.index
+        self.config = config
+        self.budget = int(config.budget_bytes)
+        self.capacity = self.budget // self.index.record_bytes
+        if self.capacity < 1:
+            raise ResourceExhausted(f"RAM tier budget of {self.budget} bytes holds no expert record "
+                                    f"({self.index.record_bytes} bytes each)")
+        history = None
+        if config.policy == "learned" and config.history_path is not None:
+            history = load_history(config.history_path, self.index.layers, self.index.n_experts,
+                                   self.index.identity)
+        self.policy: Policy = make_policy(config.policy, self.index.layers, self.index.n_experts, self.capacity,
+                                          fraction=config.learned_fraction, history=history,
+                                          half_life=config.learned_half_life)
+        self._cond = threading.Condition(threading.RLock())
+        self._entries: dict[ExpertKey, _Entry] = {}
+        self._prefetching: dict[ExpertKey, _Entry] = {}  # prefetch reads not completed
+        self._ready_bytes = 0
+        self._loading_bytes = 0
+        self._pinned_ready_bytes = 0
+        self._step = 0
+        self._row = self.index.layer_row()
+        self._uses = np.zeros((len(self.index.layers), self.index.n_experts), dtype=np.uint32)
+        self._stats = TierStats(policy=config.policy, budget_bytes=self.budget,
+                                hits={layer: 0 for layer in self.index.layers},
+                                misses={layer: 0 for layer in self.index.layers})
+        self._closed = False
+
+    @classmethod
+    def open(cls, index: ExpertIndex, config: TierConfig, **engine_options: Any) -> ExpertTier:
+        """A tier over its own I/O engine (options: mirrors, depth, direct, mirror_weights, probe...)."""
+        return cls(IOEngine(index, **engine_options), config)
+
+    # ---- demand ---------------------------------------------------------------------
+    @contextmanager
+    def acquire(self, layer: int, ids: IdsLike) -> Iterator[dict[int, Any]]:
+        """Pin the experts `ids` of `layer` (loading the misses together) for the block."""
+        lease = self.pin(layer, ids)
+        try:
+            yield lease.experts
+        finally:
+            lease.release()
+
+    @asynccontextmanager
+    async def aacquire(self, layer: int, ids: IdsLike) -> AsyncIterator[dict[int, Any]]:
+        """`acquire` for asyncio: reads and waits for room happen off the event loop."""
+        lease = self._begin(layer, ids, block=False)
+        if lease is None:
+            lease = await asyncio.to_thread(self._begin, layer, ids, True)
+        assert lease is not None
+        try:
+            t0 = time.perf_counter()
+            for e in lease.entries:
+                assert e.ready is not None
+                if not e.ready.done():
+                    await wait_future(e.ready)
+            self._collect(lease, t0)
+            yield lease.experts
+        finally:
+            lease.release()
+
+    def pin(self, layer: int, ids: IdsLike) -> Lease:
+        """Pin and load; the caller must `release()` the lease (prefer `acquire`)."""
+        lease = self._begin(layer, ids, block=True)
+        assert lease is not None
+        try:
+            t0 = time.perf_counter()
+            for e in lease.entries:
+                assert e.ready is not None
+                e.ready.exception()  # wait for every read before reporting any failure
+            self._collect(lease, t0)
+        except BaseException:
+            lease.release()
+            raise
+        return lease
+
+    def _collect(self, lease: Lease, t0: float) -> None:
+        first: BaseException | None = None
+        for e in lease.entries:
+            assert e.ready is not None
+            exc = e.ready.exception()
+            if exc is not None:
+                first = first or exc
+            else:
+                lease.experts[e.key[1]] = e.ready.result()
+        if lease.misses:
+            with self._cond:
+                self._stats.miss_wait.observe(time.perf_counter() - t0)
+        if first is not None:
+            raise first
+
+    def _keys(self, layer: int, ids: IdsLike) -> list[ExpertKey]:
+        keys = [(int(layer), int(i)) for i in np.unique(np.asarray(ids, dtype=np.int64))]
+        for k in keys:
+            self.index.location(k)  # NotFound for an unknown layer or expert
+        return keys
+
+    def _begin(self, layer: int, ids: IdsLike, block: bool) -> Lease | None:
+        keys = self._keys(layer, ids)
+        nbytes = {k: self.index.records[k].length for k in keys}
+        total = sum(nbytes.values())
+        if total > self.budget:
+            raise ResourceExhausted(f"layer {layer}: the batch needs {len(keys)} experts ({total} bytes) at once, "
+                                    f"more than the RAM tier budget of {self.budget} bytes")
+        deadline = time.monotonic() + self.config.pin_wait_s
+        with self._cond:
+            while True:
+                self._check_open()
+                mine = sum(n for k, n in nbytes.items()
+                           if (e := self._entries.get(k)) is not None and not e.loading and e.pins == 0)
+                need = sum(n for k, n in nbytes.items() if k not in self._entries)
+                committed = self._pinned_ready_bytes + self._loading_bytes + mine + need
+                if committed <= self.budget:
+                    break
+                if self._drop_queued_prefetches():
+                    continue
+                left = deadline - time.monotonic()
+                if not block and left > 0:
+                    return None
+                if left <= 0:
+                    raise ResourceExhausted(
+                        f"RAM tier budget of {self.budget} bytes exhausted: {self._pinned_ready_bytes} bytes pinned "
+                        f"by running computes and {self._loading_bytes} bytes being read, while layer {layer} needs "
+                        f"{mine + need} more bytes for {len(keys)} experts", retry_after_s=0.1)
+                self._cond.wait(left)
+            return self._commit(layer, keys, nbytes)
+
+    def _commit(self, layer: int, keys: list[ExpertKey], nbytes: dict[ExpertKey, int]) -> Lease:
+        entries: list[_Entry] = []
+        new: list[_Entry] = []
+        row = self._row[layer]
+        hits = 0
+        for k in keys:
+            self.policy.record(k)
+            self._uses[row, k[1]] += 1
+            e = self._entries.get(k)
+            if e is None:
+                e = _Entry(k, nbytes[k])
+                self._entries[k] = e
+                self._loading_bytes += e.nbytes
+                new.append(e)
+            else:
+                if e.prefetched and not e.used:
+                    self._stats.prefetch_useful += 1
+                if e.loading:
+                    self.engine.promote(k)  # a queued prefetch read moves ahead of other prefetches
+                else:
+                    hits += 1
+                    if e.pins == 0:
+                        self._pinned_ready_bytes += e.nbytes
+            e.used = True
+            e.pins += 1
+            entries.append(e)
+        self._stats.hits[layer] += hits
+        self._stats.misses[layer] += len(keys) - hits
+        self._make_room()
+        for e in new:
+            self._start_read(e, DEMAND)
+        return Lease(self, layer, entries, len(keys) - hits)
+
+    def _end(self, lease: Lease) -> None:
+        with self._cond:
+            for e in lease.entries:
+                e.pins -= 1
+                if e.pins == 0 and not e.loading and self._entries.get(e.key) is e:
+                    self._pinned_ready_bytes -= e.nbytes
+            self._cond.notify_all()
+
+    # ---- reads and eviction (under the lock) ----------------------------------------
+    def _start_read(self, e: _Entry, priority: int) -> None:
+        fut = self.engine.submit(e.key, priority)
+        fut.add_done_callback(lambda f, e=e: self._loaded(e, f))  # type: ignore[misc]
+
+    def _loaded(self, e: _Entry, fut: Future[Buffer]) -> None:
+        """Runs on the I/O worker (or the canceller) when a read ends."""
+        value: Any = None
+        exc: BaseException | None = None
+        buf: Buffer | None = None
+        if fut.cancelled():
+            exc = ResourceExhausted("prefetch read dropped")
+        elif (exc := fut.exception()) is None:
+            buf = fut.result()
+            try:
+                rec = buf[: e.nbytes]
+                value = self.index.parse(rec) if self.index.parse is not None else rec
+            except Exception as pe:
+                exc = FormatError(f"layer {e.key[0]} expert {e.key[1]}: record does not parse ({pe})")
+        with self._cond:
+            current = self._entries.get(e.key) is e
+            if current:
+                self._loading_bytes -= e.nbytes
+                e.loading = False
+                self._prefetching.pop(e.key, None)
+                if exc is None:
+                    e.buf, e.value = buf, value
+                    self._ready_bytes += e.nbytes
+                    if e.pins:
+                        self._pinned_ready_bytes += e.nbytes
+                    self.policy.insert(e.key)
+                else:
+                    del self._entries[e.key]
+                    if fut.cancelled():
+                        self._stats.prefetch_dropped += 1
+                    else:
+                        self._stats.failed_loads += 1
+                self._cond.notify_all()
+        ready = e.ready
+        assert ready is not None
+        if exc is None and current:
+            ready.set_result(value)
+            return
+        ready.set_exception(exc or Unavailable("read superseded"))
+        if buf is not None:  # a parse failure: nobody got the record
+            del value
+            self.engine.reclaim(Holder(buf))
+
+    def _skip(self, key: ExpertKey) -> bool:
+        return self._entries[key].pins > 0
+
+    def _make_room(self) -> None:
+        while self._ready_bytes + self._loading_bytes > self.budget:
+            victim = self.policy.victim(self._skip)
+            if victim is None:  # the admission check makes this unreachable
+                raise ResourceExhausted(f"RAM tier: nothing left to evict within {self.budget} bytes")
+            self._evict(victim)
+
+    def _evict(self, key: ExpertKey) -> None:
+        e = self._entries.pop(key)
+        assert not e.loading and e.pins == 0
+        self.policy.remove(key)
+        self._ready_bytes -= e.nbytes
+        self._stats.evictions += 1
+        if e.prefetched and not e.used:
+            self._stats.prefetch_wasted += 1
+        e.value = e.ready = None  # drop every reference of ours so the buffer can be recycled
+        self.engine.reclaim(e)
+
+    # ---- prefetch -------------------------------------------------------------------
+    def prefetch(self, layer: int, ids: IdsLike) -> int:
+        """Hint that `layer` will soon need `ids`; returns the reads queued."""
+        keys = self._keys(layer, ids)
+        wanted = set(keys)
+        issued = 0
+        with self._cond:
+            self._check_open()
+            for k in list(self._prefetching):
+                if k[0] == layer and k not in wanted:
+                    self.engine.cancel(k)  # superseded; runs _loaded when it was still queued
+            self._stats.prefetch_hints += len(keys)
+            for k in keys:
+                e = self._entries.get(k)
+                if e is not None:
+                    if e.loading and e.prefetched:
+                        e.hint_step = self._step
+                    continue
+                n = self.index.records[k].length
+                if (len(self._prefetching) >= self.config.prefetch_limit
+                        or self._pinned_ready_bytes + self._loading_bytes + n > self.budget):
+                    self._stats.prefetch_dropped += 1
+                    continue
+                e = _Entry(k, n, prefetched=True, hint_step=self._step)
+                self._entries[k] = e
+                self._prefetching[k] = e
+                self._loading_bytes += n
+                self._make_room()
+                self._stats.prefetch_issued += 1
+                issued += 1
+                self._start_read(e, PREFETCH)
+        return issued
+
+    def new_step(self) -> None:
+        """A decode step began: queued prefetch reads older than prefetch_max_age are dropped."""
+        with self._cond:
+            self._step += 1
+            for k, e in list(self._prefetching.items()):
+                if e.hint_step < self._step - self.config.prefetch_max_age:
+                    self.engine.cancel(k)
+
+    def _drop_queued_prefetches(self) -> bool:
+        return sum(self.engine.cancel(k) for k in list(self._prefetching)) > 0
+
+    # ---- observation ----------------------------------------------------------------
+    def stats(self) -> TierStats:
+        with self._cond:
+            s = self._stats
+            out = TierStats(
+                policy=s.policy, budget_bytes=s.budget_bytes, resident_bytes=self._ready_bytes,
+                resident_experts=sum(1 for e in self._entries.values() if not e.loading),
+                loading_bytes=self._loading_bytes,
+                loading_experts=sum(1 for e in self._entries.values() if e.loading),
+                pinned_experts=sum(1 for e in self._entries.values() if e.pins),
+                protected_experts=self.policy.protected(),
+                hits=dict(s.hits), misses=dict(s.misses), evictions=s.evictions, failed_loads=s.failed_loads,
+                prefetch_hints=s.prefetch_hints, prefetch_issued=s.prefetch_issued,
+                prefetch_useful=s.prefetch_useful, prefetch_wasted=s.prefetch_wasted,
+                prefetch_dropped=s.prefetch_dropped, miss_wait=s.miss_wait.copy(),
+            )
+        out.io = self.engine.stats()
+        return out
+
+    def heat(self) -> HeatSnapshot:
+        with self._cond:
+            uses = self._uses.copy()
+            state = np.zeros(uses.shape, dtype=np.uint8)
+            for (layer, ex), e in self._entries.items():
+                state[self._row[layer], ex] = HEAT_PINNED if e.pins else HEAT_LOADING if e.loading else HEAT_RAM
+        return HeatSnapshot(np.asarray(self.index.layers, dtype=np.int32), uses, state)
+
+    def resident(self) -> set[ExpertKey]:
+        with self._cond:
+            return {k for k, e in self._entries.items() if not e.loading}
+
+    def check_invariants(self) -> None:
+        """Recount the bookkeeping from the entries (tests)."""
+        with self._cond:
+            ready = sum(e.nbytes for e in self._entries.values() if not e.loading)
+            loading = sum(e.nbytes for e in self._entries.values() if e.loading)
+            pinned = sum(e.nbytes for e in self._entries.values() if not e.loading and e.pins)
+            assert (ready, loading, pinned) == (self._ready_bytes, self._loading_bytes, self._pinned_ready_bytes)
+            assert ready + loading <= self.budget, f"{ready} + {loading} bytes exceed the budget {self.budget}"
+
+    # ---- persistence and shutdown ---------------------------------------------------
+    def save_history(self) -> bool:
+        """Write the learned policy's usage history (atomically); False when there is none to write."""
+        if not isinstance(self.policy, Learned) or self.config.history_path is None:
+            return False
+        with self._cond:
+            counts = self.policy.history().copy()
+        save_history(self.config.history_path, counts, self.index.layers, self.index.identity)
+        return True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("the expert tier is closed")
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.save_history()
+        except OSError as e:
+            log.warning("could not save usage history to %s: %s", self.config.history_path, e)
+        self.engine.close()
+
+    def __enter__(self) -> ExpertTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
