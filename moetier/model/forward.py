@@ -98,8 +98,8 @@ class Model:
         self.args, self.ops, self.experts = args, ops, experts
         self.predict_experts = predict_experts  # issue prefetch hints (and measure their recall)
         self.stats = ModelStats()
-        rope, scale = Rope.from_args(args), softmax_scale(args)
-        self.rope = rope
+        self.rope = Rope.from_args(args)
+        scale = softmax_scale(args)
         self.embed = dense["embed"]  # [V, D]
         self.lm_head = dense["embed"] if args.tie_word_embeddings else dense["lm_head"]  # [V, D]
         self.final_norm = vector(dense["final_norm"])
@@ -107,7 +107,7 @@ class Model:
             Layer(
                 attn_norm=vector(dense[f"layers.{i}.attn_norm"]),
                 ffn_norm=vector(dense[f"layers.{i}.ffn_norm"]),
-                attention=build_attention(args, i, dense, rope, scale),
+                attention=build_attention(args, i, dense, self.rope, scale),
                 mlp=None if args.moe_layers[i] else SwiGlu(dense, f"layers.{i}.mlp"),
                 moe=MoeBlock(args, i, dense) if args.moe_layers[i] else None,
             )
