@@ -226,3 +226,23 @@ def test_quantized_weights_run_close_to_float(checkpoints: dict[str, Checkpoint]
     got = teacher_forced_logits(qm, ids)
     rel = np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref**2))
     assert 0 < rel < 0.2, rel
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_fast_ops_make_batching_and_chunking_bit_exact(arch: str, checkpoints: dict[str, Checkpoint]) -> None:
+    """With the engine's row-invariant kernels, a sequence's logits are the same bits whether it
+    is prefilled in chunks or whole, alone or beside other sequences (the absorbed MLA form
+    is what makes that hold for MLA too)."""
+    kernels = pytest.importorskip("moetier.kernels")
+    if not kernels.c_available():
+        pytest.skip("the C kernels are not built (the numba fallback is tested in the kernels' own tests)")
+    args, dense, experts = checkpoints[arch]
+    ops = kernels.FastOps(threads=1)  # this test is about bits, not speed
+    m = Model(args, dense, ops, DictExperts(experts, ops))
+    ids, other = tokens(args, 13, 10), tokens(args, 5, 11)
+    whole = teacher_forced_logits(m, ids)
+    cache = m.new_cache()
+    chunked = [m.step([(cache, ids[a:b])], all_logits=True)[0] for a, b in ((0, 4), (4, 5), (5, 13))]
+    np.testing.assert_array_equal(np.concatenate(chunked), whole)
+    batched = m.step([(m.new_cache(), other), (m.new_cache(), ids)], all_logits=True)
+    np.testing.assert_array_equal(batched[1], whole)
