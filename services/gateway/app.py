@@ -37,6 +37,7 @@ def create_app(settings: Settings, *, model: ServedModel | None = None) -> FastA
         finally:
             await gw.router.close()
             gw.router = None
+            log.info("gateway stopped")
 
     app = FastAPI(title="moetier gateway", version=version("moetier"), lifespan=lifespan,
                   description="OpenAI-compatible API of a moetier cluster.")

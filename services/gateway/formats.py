@@ -77,7 +77,7 @@ class ChatFormat(_Format):
 
     def body(self, text: str, tokens: list[Token], finish_reason: str | None, usage: Usage) -> ChatCompletion:
         choice = ChatChoice(index=0, message=ChatResponseMessage(content=text),
-                            logprobs=self._logprobs(tokens), finish_reason=finish_reason)  # type: ignore[arg-type]
+                            logprobs=self._logprobs(tokens), finish_reason=finish_reason)
         return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
 
     def _logprobs(self, tokens: tuple[Token, ...] | list[Token]) -> ChatLogprobs | None:
@@ -113,7 +113,7 @@ class CompletionFormat(_Format):
 
     def body(self, text: str, tokens: list[Token], finish_reason: str | None, usage: Usage) -> Completion:
         choice = CompletionChoice(index=0, text=self.echo + text, logprobs=self._logprobs(tokens),
-                                  finish_reason=finish_reason)  # type: ignore[arg-type]
+                                  finish_reason=finish_reason)
         return Completion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
 
     def _logprobs(self, tokens: tuple[Token, ...] | list[Token]) -> CompletionLogprobs | None:
