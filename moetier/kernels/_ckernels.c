@@ -303,15 +303,127 @@ MT_AVX512 static void pv_avx512(int nh, const float *const *p, const float *v, i
     }
 }
 
-static int cpu_has_avx512(void) {
+/* Fused dequantize-and-dot for up to four tokens (the decode case): each 16-column chunk
+ * of the four weight rows is dequantized in registers -- exactly the values the buffer
+ * path stores -- and used at once, so no buffer round trip. Same accumulators, same
+ * operations in the same order as tile() over dequantized rows: same bits.
+ * int4 nibbles reach their lanes with one vpmultishiftqb (lane i's low byte = bits
+ * 4i..4i+7 of the 8 packed bytes; vpermps reads only the low 4 bits of each index) and
+ * become (n - 8) * scale with one vpermps through a 16-entry table. */
+#define MT_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c")))
+
+MT_VBMI static inline __attribute__((always_inline)) void
+fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, const int64_t *rows,
+         float out[TBMAX][RB]) {
+    const int64_t C = w->cols, n16 = round16(C);
+    const int quant = dtype == DT_INT8 || dtype == DT_INT4;
+    const int64_t gsz = quant ? w->g : n16;
+    const int64_t cols_per_line = dtype == DT_F32 ? 16 : dtype == DT_BF16 ? 32 : dtype == DT_INT8 ? 64 : 128;
+    const int64_t pfd = RB * w->row_bytes; /* prefetch the same place one row block ahead */
+    const uint8_t *rp[RB];
+    const uint16_t *sp[RB];
+    for (int i = 0; i < RB; i++) {
+        rp[i] = w->data + rows[i] * w->row_bytes;
+        sp[i] = quant ? w->scales + rows[i] * w->ngroups : NULL;
+    }
+    const __m512 nib = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i ctrl = _mm512_set_epi8(0, 0, 0, 60, 0, 0, 0, 56, 0, 0, 0, 52, 0, 0, 0, 48, 0, 0, 0, 44, 0, 0,
+                                         0, 40, 0, 0, 0, 36, 0, 0, 0, 32, 0, 0, 0, 28, 0, 0, 0, 24, 0, 0, 0, 20,
+                                         0, 0, 0, 16, 0, 0, 0, 12, 0, 0, 0, 8, 0, 0, 0, 4, 0, 0, 0, 0);
+    __m512 acc[TBMAX][RB];
+    for (int j = 0; j < tb; j++)
+        for (int i = 0; i < RB; i++) acc[j][i] = _mm512_setzero_ps();
+    for (int64_t g0 = 0; g0 < n16; g0 += gsz) {
+        __m512 tab[RB];
+        for (int i = 0; i < RB; i++) {
+            if (dtype == DT_INT4)
+                tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(f16_to_f32(sp[i][g0 / gsz])));
+            else if (dtype == DT_INT8)
+                tab[i] = _mm512_set1_ps(f16_to_f32(sp[i][g0 / gsz]));
+            else
+                tab[i] = _mm512_setzero_ps();
+        }
+        const int64_t gend = g0 + gsz < n16 ? g0 + gsz : n16;
+        for (int64_t c = g0; c < gend; c += 16) {
+            const __mmask16 m = C - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c)) - 1u);
+            const int pf = (c & (cols_per_line - 1)) == 0;
+            __m512 wv[RB];
+            for (int i = 0; i < RB; i++) {
+                if (dtype == DT_F32) {
+                    const float *p = (const float *)rp[i] + c;
+                    if (pf) _mm_prefetch((const char *)p + pfd, _MM_HINT_T0);
+                    wv[i] = _mm512_maskz_loadu_ps(m, p);
+                } else if (dtype == DT_BF16) {
+                    const uint16_t *p = (const uint16_t *)rp[i] + c;
+                    if (pf) _mm_prefetch((const char *)p + pfd, _MM_HINT_T0);
+                    __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+                    wv[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                } else if (dtype == DT_INT8) {
+                    /* g % 16 == 0: the stored row covers every chunk; mask the tail */
+                    const uint8_t *p = rp[i] + c;
+                    if (pf) _mm_prefetch((const char *)p + pfd, _MM_HINT_T0);
+                    __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+                    wv[i] = _mm512_maskz_mul_ps(m, _mm512_cvtepi32_ps(q), tab[i]);
+                } else {
+                    const uint8_t *p = rp[i] + c / 2;
+                    if (pf) _mm_prefetch((const char *)p + pfd, _MM_HINT_T0);
+                    int64_t packed;
+                    memcpy(&packed, p, 8);
+                    __m512i idx = _mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(packed));
+                    wv[i] = _mm512_maskz_permutexvar_ps(m, idx, tab[i]);
+                }
+            }
+            for (int j = 0; j < tb; j++) {
+                __m512 xv = _mm512_maskz_loadu_ps(m, xr[j] + c);
+                for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+            }
+        }
+    }
+    for (int j = 0; j < tb; j++)
+        for (int i = 0; i < RB; i++) out[j][i] = hsum16_avx512(acc[j][i]);
+}
+
+#define FUSED_DT(DT)                                                                                   \
+    MT_VBMI static void fused_##DT(int tb, const float *const *xr, const qmat *w, const int64_t *rows,  \
+                                   float out[TBMAX][RB]) {                                             \
+        switch (tb) {                                                                                  \
+        case 1: fused_tb(DT, 1, xr, w, rows, out); break;                                              \
+        case 2: fused_tb(DT, 2, xr, w, rows, out); break;                                              \
+        case 3: fused_tb(DT, 3, xr, w, rows, out); break;                                              \
+        default: fused_tb(DT, 4, xr, w, rows, out); break;                                             \
+        }                                                                                              \
+    }
+FUSED_DT(DT_F32)
+FUSED_DT(DT_BF16)
+FUSED_DT(DT_INT8)
+FUSED_DT(DT_INT4)
+
+static void fused(int tb, const float *const *xr, const qmat *w, const int64_t *rows, float out[TBMAX][RB]) {
+    switch (w->dtype) {
+    case DT_F32: fused_DT_F32(tb, xr, w, rows, out); break;
+    case DT_BF16: fused_DT_BF16(tb, xr, w, rows, out); break;
+    case DT_INT8: fused_DT_INT8(tb, xr, w, rows, out); break;
+    default: fused_DT_INT4(tb, xr, w, rows, out); break;
+    }
+}
+
+/* 0: portable C, 1: AVX-512, 2: AVX-512 with VBMI (fused decode path). */
+static int cpu_simd_level(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    int base = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    return base ? 1 + (__builtin_cpu_supports("avx512vbmi") != 0) : 0;
 }
 #else
-static int cpu_has_avx512(void) { return 0; }
+static int cpu_simd_level(void) { return 0; }
 #endif
+
+/* The fused path covers every dtype whose chunks of 16 columns share one scale. */
+static int fused_ok(int simd, const qmat *w, int64_t T) {
+    if (simd < 2 || T > TBMAX) return 0;
+    return (w->dtype != DT_INT8 && w->dtype != DT_INT4) || w->g % 16 == 0;
+}
 
 /* ---------------------------------------------------------------- dispatch helpers */
 
@@ -373,6 +485,7 @@ static void *xalloc(size_t bytes) {
 static int linear_impl(int simd, int nthreads, const float *x, int64_t T, const qmat *w,
                        const float *bias, float *y) {
     const int64_t R = w->rows, C = w->cols, nb = (R + RB - 1) / RB, blen = rowbuf_len(w);
+    const int use_fused = fused_ok(simd, w, T);
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1 && nb > 1)
     {
@@ -387,14 +500,22 @@ static int linear_impl(int simd, int nthreads, const float *x, int64_t T, const 
             const int64_t r0 = b * RB;
             const int nr = (int)(R - r0 < RB ? R - r0 : RB);
             const float *wr[RB];
-            for (int i = 0; i < RB; i++)
-                wr[i] = i < nr ? row_values(simd, w, r0 + i, buf + i * blen) : wr[nr - 1];
+            int64_t rows[RB];
+            for (int i = 0; i < RB; i++) rows[i] = r0 + (i < nr ? i : nr - 1);
+            if (!use_fused)
+                for (int i = 0; i < RB; i++)
+                    wr[i] = i < nr ? row_values(simd, w, rows[i], buf + i * blen) : wr[nr - 1];
             for (int64_t t0 = 0; t0 < T; t0 += TBMAX) {
                 const int tb = (int)(T - t0 < TBMAX ? T - t0 : TBMAX);
                 const float *xr[TBMAX];
                 for (int j = 0; j < TBMAX; j++) xr[j] = x + (t0 + (j < tb ? j : 0)) * C;
                 float res[TBMAX][RB];
-                tile(simd, tb, xr, wr, C, res);
+#if MT_X86
+                if (use_fused)
+                    fused(tb, xr, w, rows, res);
+                else
+#endif
+                    tile(simd, tb, xr, wr, C, res);
                 for (int j = 0; j < tb; j++)
                     for (int i = 0; i < nr; i++)
                         y[(t0 + j) * R + r0 + i] = bias ? res[j][i] + bias[r0 + i] : res[j][i];
@@ -559,9 +680,9 @@ static int parse_qmat(bufset *bs, PyObject *spec, int64_t rows, int64_t cols, qm
 }
 
 static int pick_simd(int simd) {
-    static int have = -1;
-    if (have < 0) have = cpu_has_avx512();
-    return simd && have;
+    static int level = -1;
+    if (level < 0) level = cpu_simd_level();
+    return simd ? level : 0;
 }
 
 static PyObject *py_linear(PyObject *self, PyObject *args) {
@@ -709,7 +830,7 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
 static PyObject *py_has_simd(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
-    return PyBool_FromLong(pick_simd(1));
+    return PyLong_FromLong(pick_simd(1));
 }
 
 static PyMethodDef methods[] = {
@@ -719,7 +840,7 @@ static PyMethodDef methods[] = {
     {"softmax", py_softmax, METH_VARARGS, "softmax(x, T, N, out, simd)"},
     {"attention", py_attention, METH_VARARGS,
      "attention(q, k, v, q_pos, T, H, S, Hkv, dq, dv, scale, out, simd, threads)"},
-    {"has_simd", py_has_simd, METH_NOARGS, "True when the AVX-512 path runs on this CPU"},
+    {"has_simd", py_has_simd, METH_NOARGS, "0: portable C, 1: AVX-512, 2: AVX-512 with VBMI"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -48,9 +48,14 @@ def c_available() -> bool:
     return _C is not None
 
 
+def c_simd_level() -> int:
+    """The C path this CPU runs: 0 portable, 1 AVX-512, 2 AVX-512 with VBMI (fused decode)."""
+    return 0 if _C is None else int(_C.has_simd())
+
+
 def c_has_simd() -> bool:
     """True when the C extension runs its AVX-512 path on this CPU."""
-    return _C is not None and bool(_C.has_simd())
+    return c_simd_level() > 0
 
 
 def default_threads() -> int:

@@ -1,0 +1,188 @@
+"""`moetier bench compute`: expert FFN throughput beside the machine's memory bandwidth.
+
+The figure is GB/s of quantized expert weights (data + scales, the bytes an expert store
+holds in RAM) pushed through SwiGLU expert FFNs (gate, up, down) by FastOps, at each
+batch size. Its physical limit is the memory bandwidth, measured in the same run as a
+large numpy copy; the copy's figure counts the bytes read plus the bytes written
+(2 x size; the write-allocate reads the CPU also performs are not counted, so the
+figure is, if anything, low). The peer is ReferenceOps (dequantize, then BLAS).
+
+The working set is many distinct experts laid out as real expert records (default
+>= 1 GiB, beyond the CPU caches), so the kernels stream weights from RAM. Weights are
+random bytes with sane scales: the speed of these kernels does not depend on values.
+Rounds interleave copy, FastOps and ReferenceOps; the best round of each is reported
+(the machine may be shared), with the median beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moetier.kernels import FastOps, warmup
+from moetier.model.ops import ReferenceOps, silu
+from moetier.weights.layout import RecordLayout
+from moetier.weights.quant import ExpertWeights, QDType
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "compute", help="expert FFN GB/s (FastOps, ReferenceOps) beside measured memory bandwidth")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="rows per expert call (default: 1 16)")
+    p.add_argument("--model", help="container directory: use its expert shape, dtype and group size "
+                                   "(default: mini-glm int4 g64, D=2048 I=1408)")
+    p.add_argument("--working-set-mb", type=int, default=1024, help="distinct expert bytes (default 1024)")
+    p.add_argument("--rounds", type=int, default=5, help="measurement rounds (default 5)")
+    p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all CPUs)")
+    p.add_argument("--backend", default="auto", choices=["auto", "c", "c-portable", "numba"])
+    p.add_argument("--ref-experts", type=int, default=12, help="experts per ReferenceOps round (default 12)")
+    p.add_argument("--copy-mb", type=int, default=512, help="size of the bandwidth copy (default 512 MiB)")
+    p.set_defaults(func=run)
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    dtype: QDType
+    group_size: int
+    source: str
+
+
+# the benchmark model's routed expert (synth preset mini-glm)
+MINI_GLM = Shape(hidden=2048, intermediate=1408, dtype="int4", group_size=64, source="default (mini-glm)")
+
+
+def _shape(model: str | None) -> Shape:
+    if model is None:
+        return MINI_GLM
+    from moetier.weights.container import Container
+
+    c = Container.open(model)
+    gate = c.layout.part("gate")
+    return Shape(gate.shape[1], gate.shape[0], gate.dtype, gate.group_size, f"container {model}")
+
+
+def make_experts(shape: Shape, working_set: int, seed: int = 0) -> list[ExpertWeights]:
+    """Random experts laid out as real records in one buffer, at least `working_set` bytes."""
+    layout = RecordLayout.build(shape.intermediate, shape.hidden, shape.dtype, shape.group_size)
+    n = max(2, -(-working_set // layout.used_bytes))
+    rng = np.random.default_rng(seed)
+    buf = rng.integers(0, 256, size=n * layout.record_bytes, dtype=np.uint8)
+    records = buf.reshape(n, layout.record_bytes)
+    for p in layout.parts:
+        if p.dtype == "int8":  # q in [-127, 127], as the quantizer writes
+            d = records[:, p.data_offset:p.data_offset + p.data_bytes].view(np.int8)
+            np.clip(d, -127, 127, out=d)
+        elif p.dtype in ("f32", "bf16"):  # finite, modest values
+            vals = rng.standard_normal((n, p.shape[0] * p.shape[1]), dtype=np.float32) * 0.02
+            raw = vals.view(np.uint32) >> 16 if p.dtype == "bf16" else vals.view(np.uint32)
+            dt = np.uint16 if p.dtype == "bf16" else np.uint32
+            records[:, p.data_offset:p.data_offset + p.data_bytes] = raw.astype(dt).view(np.uint8)
+        if p.scales_offset is not None:
+            s = (rng.random((n, p.scales_bytes // 2), dtype=np.float32) * 0.01 + 0.001).astype(np.float16)
+            records[:, p.scales_offset:p.scales_offset + p.scales_bytes] = s.view(np.uint8)
+    return [layout.parse(records[i]) for i in range(n)]
+
+
+def copy_gbps(src: np.ndarray, dst: np.ndarray) -> float:
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    return 2 * src.nbytes / (time.perf_counter() - t) / 1e9
+
+
+def _ref_ffn(ref: ReferenceOps, x: np.ndarray, w: ExpertWeights) -> np.ndarray:
+    return ref.linear(silu(ref.linear(x, w.gate)) * ref.linear(x, w.up), w.down)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    shape = _shape(args.model)
+    experts = make_experts(shape, args.working_set_mb << 20)
+    per_expert = experts[0].nbytes
+    total = per_expert * len(experts)
+    warmup(args.backend)
+    ops = FastOps(args.backend, threads=args.threads)
+    ref = ReferenceOps()
+    src = np.ones(max(1, args.copy_mb) << 18, dtype=np.float32)  # copy_mb MiB
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in
+    rng = np.random.default_rng(1)
+    xs = {b: rng.standard_normal((b, shape.hidden), dtype=np.float32) for b in args.batch}
+    for b in args.batch:  # first touch of every expert, and any lazy set-up
+        ops.expert_ffn(xs[b], experts[0])
+    nref = max(1, min(args.ref_experts, len(experts)))
+    mem: list[float] = []
+    fast: dict[int, list[float]] = {b: [] for b in args.batch}
+    slow: dict[int, list[float]] = {b: [] for b in args.batch}
+    for _ in range(max(1, args.rounds)):
+        mem.append(copy_gbps(src, dst))
+        for b in args.batch:
+            t = time.perf_counter()
+            for w in experts:
+                ops.expert_ffn(xs[b], w)
+            fast[b].append(total / (time.perf_counter() - t) / 1e9)
+        for b in args.batch:
+            t = time.perf_counter()
+            for w in experts[:nref]:
+                _ref_ffn(ref, xs[b], w)
+            slow[b].append(nref * per_expert / (time.perf_counter() - t) / 1e9)
+    mem_best = max(mem)
+    batches = {
+        str(b): {
+            "fast_gbps": max(fast[b]),
+            "fast_gbps_median": statistics.median(fast[b]),
+            "fast_ms_per_expert": per_expert / max(fast[b]) / 1e6,
+            "reference_gbps": max(slow[b]),
+            "reference_gbps_median": statistics.median(slow[b]),
+            "fraction_of_memory": max(fast[b]) / mem_best,
+            "speedup_vs_reference": max(fast[b]) / max(slow[b]),
+        }
+        for b in args.batch
+    }
+    return {
+        "benchmark": "compute",
+        "backend": ops.backend,
+        "threads": ops.threads,
+        "expert": {"hidden": shape.hidden, "intermediate": shape.intermediate, "dtype": shape.dtype,
+                   "group_size": shape.group_size, "bytes": per_expert, "source": shape.source},
+        "experts": len(experts),
+        "working_set_bytes": total,
+        "reference_experts": nref,
+        "rounds": max(1, args.rounds),
+        "memory_gbps": mem_best,
+        "memory_gbps_median": statistics.median(mem),
+        "memory_method": f"numpy copy of {src.nbytes >> 20} MiB float32, read + write bytes (2 x size)",
+        "batch": batches,
+        "ratio": batches["1"]["fraction_of_memory"] if "1" in batches else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    if any(b < 1 for b in args.batch):
+        raise SystemExit("moetier bench compute: --batch values must be >= 1")
+    r = measure(args)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    e = r["expert"]
+    g = f" g{e['group_size']}" if e["group_size"] else ""
+    print(f"expert: {e['dtype']}{g}, D={e['hidden']} I={e['intermediate']}, {e['bytes'] / 1e6:.2f} MB "
+          f"(data + scales) [{e['source']}]")
+    print(f"working set: {r['experts']} distinct experts, {r['working_set_bytes'] / 2**20:.0f} MiB; "
+          f"FastOps backend {r['backend']}, {r['threads']} threads; best of {r['rounds']} rounds (median)")
+    print(f"memory bandwidth: {r['memory_gbps']:.1f} GB/s ({r['memory_gbps_median']:.1f}) -- {r['memory_method']}")
+    print(f"{'batch':>5}  {'FastOps GB/s':>18}  {'of memory':>9}  {'ms/expert':>9}  "
+          f"{'ReferenceOps GB/s':>18}  {'speed-up':>8}")
+    for b, v in r["batch"].items():
+        print(f"{b:>5}  {v['fast_gbps']:>7.2f} ({v['fast_gbps_median']:>7.2f})  {v['fraction_of_memory']:>8.0%}  "
+              f"{v['fast_ms_per_expert']:>9.3f}  {v['reference_gbps']:>7.2f} ({v['reference_gbps_median']:>7.2f})  "
+              f"{v['speedup_vs_reference']:>7.1f}x")
+    print(f"ReferenceOps runs {r['reference_experts']} experts per round (dequantize + BLAS is compute-bound).")
+    return 0

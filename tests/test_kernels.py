@@ -1,0 +1,277 @@
+"""FastOps against ReferenceOps (accuracy), against itself (bit-exact row invariance) and
+across its backends (C AVX-512, C portable, numba: the same bits)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moetier.kernels import FastOps, c_available, warmup
+from moetier.model.ops import ReferenceOps
+from moetier.weights.quant import ExpertWeights, QTensor, quantize
+
+BACKENDS = ["c", "c-portable", "numba"] if c_available() else ["numba"]
+REF = ReferenceOps()
+DTYPES = ("f32", "bf16", "int8", "int4")
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def ops(request: pytest.FixtureRequest) -> FastOps:
+    return FastOps(request.param, threads=2)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(bits(a), bits(b))
+
+
+def close(ref: np.ndarray, got: np.ndarray, rtol: float = 1e-5) -> None:
+    """Agreement relative to the output's scale (summation order differs from BLAS)."""
+    scale = max(float(np.abs(ref).max()), 1e-30)
+    err = float(np.abs(got.astype(np.float64) - ref).max())
+    assert err <= rtol * scale, f"max error {err:.3g} vs output scale {scale:.3g}"
+
+
+def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+# ---------------------------------------------------------------- accuracy
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "rows,cols,g",
+    [(1, 1, 2), (3, 5, 4), (37, 100, 64), (8, 130, 32), (16, 96, 48), (5, 64, 6), (64, 256, 64), (9, 2048, 64)],
+)
+def test_linear_matches_reference(ops: FastOps, dtype: str, rows: int, cols: int, g: int) -> None:
+    rng = np.random.default_rng(rows * 1000 + cols)
+    w = quantize(rand(rng, rows, cols), dtype, g)  # type: ignore[arg-type]
+    bias = rand(rng, rows)
+    for t in (1, 3, 7):
+        x = rand(rng, t, cols)
+        close(REF.linear(x, w), ops.linear(x, w))
+        close(REF.linear(x, w, bias), ops.linear(x, w, bias))
+
+
+def test_rmsnorm_softmax_match_reference(ops: FastOps) -> None:
+    rng = np.random.default_rng(1)
+    for t, c in ((1, 1), (3, 17), (5, 2048)):
+        x = rand(rng, t, c) * 3
+        w = rand(rng, c)
+        close(REF.rmsnorm(x, w, 1e-6), ops.rmsnorm(x, w, 1e-6))
+        close(REF.softmax(x), ops.softmax(x))
+    logits = np.array([[0.0, -np.inf, 1.0], [5.0, 5.0, 5.0]], dtype=np.float32)
+    close(REF.softmax(logits), ops.softmax(logits))
+
+
+@pytest.mark.parametrize("h,hkv,dq,dv", [(4, 4, 16, 16), (8, 2, 40, 24), (6, 1, 72, 64), (3, 1, 5, 3)])
+def test_attention_matches_reference(ops: FastOps, h: int, hkv: int, dq: int, dv: int) -> None:
+    rng = np.random.default_rng(h * dq)
+    s = 23
+    q, k, v = rand(rng, 7, h, dq), rand(rng, s, hkv, dq), rand(rng, s, hkv, dv)
+    pos = np.array([0, 22, 5, 6, 7, 13, 22])
+    close(REF.attention(q, k, v, pos, 0.3), ops.attention(q, k, v, pos, 0.3))
+
+
+def experts_of(rng: np.random.Generator, n: int, d: int, i: int, dtype: str, g: int) -> dict[int, ExpertWeights]:
+    def q(r: int, c: int) -> QTensor:
+        return quantize(rand(rng, r, c) * 0.3, dtype, g)  # type: ignore[arg-type]
+
+    return {e: ExpertWeights(q(i, d), q(i, d), q(d, i)) for e in range(n)}
+
+
+@pytest.mark.parametrize("dtype,g", [("int4", 64), ("int4", 32), ("int8", 64), ("bf16", 0), ("f32", 0), ("int4", 10)])
+def test_moe_matches_reference(ops: FastOps, dtype: str, g: int) -> None:
+    rng = np.random.default_rng(7)
+    d, i = 72, 40
+    ex = experts_of(rng, 5, d, i, dtype, g or 64)
+    x = rand(rng, 9, d)
+    for k in (1, 3):
+        ids = rng.integers(0, 5, (9, k)).astype(np.int32)
+        wts = rng.random((9, k), dtype=np.float32)
+        close(REF.moe(x, ids, wts, ex), ops.moe(x, ids, wts, ex))
+    # one expert used by every row (K = 1), and experts used by a single row
+    ids = np.zeros((9, 1), dtype=np.int32)
+    close(REF.moe(x, ids, np.ones((9, 1), np.float32), ex), ops.moe(x, ids, np.ones((9, 1), np.float32), ex))
+    ids = np.arange(9, dtype=np.int32).reshape(9, 1) % 5
+    close(REF.moe(x, ids, np.ones((9, 1), np.float32), ex), ops.moe(x, ids, np.ones((9, 1), np.float32), ex))
+
+
+def test_int4_dequantized_values_are_the_reference_values(ops: FastOps) -> None:
+    """Against an identity input each output is one dequantized weight, exactly."""
+    rng = np.random.default_rng(3)
+    for dtype in DTYPES:
+        w = quantize(rand(rng, 6, 50), dtype, 16)  # type: ignore[arg-type]
+        eye = np.eye(50, dtype=np.float32)
+        assert same_bits(ops.linear(eye, w), w.dequantize().T.copy())
+
+
+# ---------------------------------------------------------------- bit-exact row invariance
+
+
+def test_linear_rows_are_invariant(ops: FastOps) -> None:
+    """Row t's bits do not depend on T, on its position, or on its companions."""
+    rng = np.random.default_rng(11)
+    for case in range(12):
+        dtype = DTYPES[case % 4]
+        rows, cols = int(rng.integers(1, 40)), int(rng.integers(1, 300))
+        g = int(rng.choice([16, 32, 64, 6]))
+        w = quantize(rand(rng, rows, cols), dtype, g)  # type: ignore[arg-type]
+        bias = rand(rng, rows) if case % 2 else None
+        x = rand(rng, 17, cols)
+        full = ops.linear(x, w, bias)
+        for t in range(17):  # alone (T = 1)
+            assert same_bits(ops.linear(x[t : t + 1], w, bias), full[t : t + 1]), (dtype, rows, cols, g, t)
+        for n in range(1, 18):  # every T, shuffled, with fresh companions
+            pick = rng.permutation(17)[:n]
+            others = rand(rng, int(rng.integers(0, 5)), cols)
+            xb = np.concatenate([others, x[pick]])
+            got = ops.linear(xb, w, bias)[len(others) :]
+            assert same_bits(got, full[pick]), (dtype, rows, cols, g, n)
+
+
+def test_rmsnorm_softmax_rows_are_invariant(ops: FastOps) -> None:
+    rng = np.random.default_rng(12)
+    for c in (1, 15, 16, 17, 300):
+        x = rand(rng, 17, c)
+        w = rand(rng, c)
+        full_n, full_s = ops.rmsnorm(x, w, 1e-5), ops.softmax(x)
+        for n in (1, 2, 5, 16, 17):
+            pick = rng.permutation(17)[:n]
+            assert same_bits(ops.rmsnorm(x[pick], w, 1e-5), full_n[pick])
+            assert same_bits(ops.softmax(x[pick]), full_s[pick])
+
+
+@pytest.mark.parametrize("h,hkv,dq,dv", [(4, 4, 16, 16), (8, 2, 40, 24), (6, 1, 72, 64), (16, 1, 33, 17)])
+def test_attention_chunked_prefill_and_decode_give_the_same_bits(ops: FastOps, h: int, hkv: int, dq: int,
+                                                                   dv: int) -> None:
+    rng = np.random.default_rng(h + dq)
+    s = 17
+    q, k, v = rand(rng, s, h, dq), rand(rng, s, hkv, dq), rand(rng, s, hkv, dv)
+    pos = np.arange(s)
+    full = ops.attention(q, k, v, pos, 0.2)  # prefill of all 17 rows at once
+    for chunk in (1, 2, 3, 5, 16):  # chunked prefill, chunk 1 = decode one row at a time
+        parts = []
+        for a in range(0, s, chunk):
+            b = min(s, a + chunk)
+            # the cache holds only what has been written so far
+            parts.append(ops.attention(q[a:b], k[:b], v[:b], pos[a:b], 0.2))
+        assert same_bits(np.concatenate(parts), full), chunk
+    # a row depends only on the keys it sees: change everything after its position
+    for t in (0, 4, 16):
+        k2, v2 = k.copy(), v.copy()
+        k2[t + 1 :] = rand(rng, s - t - 1, hkv, dq)
+        v2[t + 1 :] = rand(rng, s - t - 1, hkv, dv)
+        sel = np.array([t])
+        assert same_bits(ops.attention(q[sel], k2, v2, pos[sel], 0.2), full[sel])
+    # and not on the other query rows, nor on their order
+    perm = rng.permutation(s)
+    assert same_bits(ops.attention(q[perm], k, v, pos[perm], 0.2), full[perm])
+
+
+def test_moe_rows_do_not_depend_on_companions(ops: FastOps) -> None:
+    rng = np.random.default_rng(21)
+    d, i, ne = 96, 48, 6
+    ex = experts_of(rng, ne, d, i, "int4", 32)
+    for k in (1, 2, 4):
+        t = 17
+        x = rand(rng, t, d)
+        ids = np.stack([rng.permutation(ne)[:k] for _ in range(t)]).astype(np.int32)
+        wts = rng.random((t, k), dtype=np.float32)
+        full = ops.moe(x, ids, wts, ex)
+        for r in range(t):  # alone: its experts serve it and nobody else
+            assert same_bits(ops.moe(x[r : r + 1], ids[r : r + 1], wts[r : r + 1], ex), full[r : r + 1])
+        for n in (2, 5, 9, 16):  # other companions, other positions, experts shared differently
+            pick = rng.permutation(t)[:n]
+            others = rand(rng, 3, d)
+            oid = np.full((3, k), ids[pick[0], 0], dtype=np.int32)
+            oid[:, 1:] = ids[pick[0], 1:]
+            xb = np.concatenate([x[pick], others])
+            got = ops.moe(xb, np.concatenate([ids[pick], oid]), np.concatenate([wts[pick], wts[:3]]), ex)
+            assert same_bits(got[:n], full[pick]), (k, n)
+
+
+# ---------------------------------------------------------------- backends agree bit for bit
+
+
+@pytest.mark.skipif(len(BACKENDS) < 2, reason="the C extension is not built")
+def test_backends_give_identical_bits() -> None:
+    rng = np.random.default_rng(5)
+    all_ops = [FastOps(b, threads=2) for b in BACKENDS]
+    cases = []
+    for dtype in DTYPES:
+        for rows, cols, g in ((13, 77, 32), (8, 64, 64), (5, 30, 10)):
+            w = quantize(rand(rng, rows, cols), dtype, g)  # type: ignore[arg-type]
+            for t in (1, 3, 6):
+                cases.append(("linear", (rand(rng, t, cols), w, rand(rng, rows))))
+    x = rand(rng, 6, 45)
+    cases += [("rmsnorm", (x, rand(rng, 45), 1e-6)), ("softmax", (x,))]
+    q, k, v = rand(rng, 5, 6, 40), rand(rng, 9, 2, 40), rand(rng, 9, 2, 20)
+    cases.append(("attention", (q, k, v, np.array([0, 8, 3, 4, 8]), 0.5)))
+    ex = experts_of(rng, 4, 48, 24, "int4", 16)
+    ids = rng.integers(0, 4, (7, 2)).astype(np.int32)
+    cases.append(("moe", (rand(rng, 7, 48), ids, rng.random((7, 2), dtype=np.float32), ex)))
+    for name, args in cases:
+        outs = [getattr(o, name)(*args) for o in all_ops]
+        for o, got in zip(all_ops[1:], outs[1:], strict=True):
+            assert same_bits(got, outs[0]), (name, o.backend)
+
+
+# ---------------------------------------------------------------- bad inputs
+
+
+def test_bad_inputs_raise_value_error_naming_shapes() -> None:
+    ops = FastOps()
+    rng = np.random.default_rng(0)
+    w = quantize(rand(rng, 4, 10), "int4", 8)
+    with pytest.raises(ValueError, match=r"x \(2, 9\).*w \(4, 10\)"):
+        ops.linear(rand(rng, 2, 9), w)
+    with pytest.raises(ValueError, match=r"bias \(3,\)"):
+        ops.linear(rand(rng, 2, 10), w, rand(rng, 3))
+    with pytest.raises(ValueError, match="float32"):
+        ops.linear(np.zeros((2, 10)), w)
+    bad = QTensor("int4", (4, 10), w.data[:, :3], w.scales, 8)
+    with pytest.raises(ValueError, match=r"\(4, 3\)"):
+        ops.linear(rand(rng, 2, 10), bad)
+    bad = QTensor("int8", (4, 10), np.zeros((4, 16), np.int8), np.zeros((4, 1), np.float16), 8)
+    with pytest.raises(ValueError, match="scales"):
+        ops.linear(rand(rng, 2, 10), bad)
+    with pytest.raises(ValueError, match=r"weight \(5,\)"):
+        ops.rmsnorm(rand(rng, 2, 4), rand(rng, 5), 1e-6)
+    q, k, v = rand(rng, 2, 4, 8), rand(rng, 5, 2, 8), rand(rng, 5, 2, 6)
+    with pytest.raises(ValueError, match=r"k \(5, 2, 7\)"):
+        ops.attention(q, rand(rng, 5, 2, 7), v, np.array([0, 1]), 1.0)
+    with pytest.raises(ValueError, match="multiple"):
+        ops.attention(rand(rng, 2, 3, 8), k, v, np.array([0, 1]), 1.0)
+    with pytest.raises(ValueError, match="q_pos"):
+        ops.attention(q, k, v, np.array([0, 5]), 1.0)
+    with pytest.raises(ValueError, match="q_pos"):
+        ops.attention(q, k, v, np.array([0, 1, 2]), 1.0)
+    ex = experts_of(rng, 2, 16, 8, "int4", 8)
+    x = rand(rng, 3, 16)
+    with pytest.raises(ValueError, match=r"ids \(3, 2\), weights \(3, 1\)"):
+        ops.moe(x, np.zeros((3, 2), np.int32), np.ones((3, 1), np.float32), ex)
+    with pytest.raises(ValueError, match="expert 7"):
+        ops.moe(x, np.full((3, 1), 7, np.int32), np.ones((3, 1), np.float32), ex)
+    with pytest.raises(ValueError, match=r"x \[T, 12\]"):
+        ops.moe(rand(rng, 3, 12), np.zeros((3, 1), np.int32), np.ones((3, 1), np.float32), ex)
+    with pytest.raises(ValueError, match="backend"):
+        FastOps("gpu")  # type: ignore[arg-type]
+
+
+def test_empty_batches() -> None:
+    ops = FastOps()
+    w = quantize(np.ones((4, 10), np.float32), "int8", 8)
+    assert ops.linear(np.zeros((0, 10), np.float32), w).shape == (0, 4)
+    ex = {0: ExpertWeights(w, w, quantize(np.ones((10, 4), np.float32), "int8", 8))}
+    assert ops.moe(np.zeros((0, 10), np.float32), np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32),
+                   ex).shape == (0, 10)
+
+
+def test_warmup_runs() -> None:
+    for b in BACKENDS:
+        warmup(b)  # type: ignore[arg-type]
