@@ -5,7 +5,9 @@ and metrics."""
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,6 +28,8 @@ from helpers_gateway import (
 )
 
 from moetier.rpc.v1 import generate_pb2
+from moetier.text import ChatTemplate
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import ServedModel
 
 pytestmark = pytest.mark.timeout(60)
@@ -290,8 +294,6 @@ async def test_no_worker_is_503(gw: InProcess, stream: bool) -> None:
 
 
 async def test_router_unreachable(model: ServedModel) -> None:
-    import socket
-
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -333,8 +335,6 @@ async def test_stream_that_ends_without_finish_is_an_error(gw: InProcess) -> Non
 
 async def test_template_rejection_is_400(gw: InProcess, model: ServedModel) -> None:
     original = model.tokenizer.chat_template
-    from moetier.text import ChatTemplate
-
     object.__setattr__(model.tokenizer, "chat_template", ChatTemplate("{{ raise_exception('roles must alternate') }}"))
     try:
         err = _error(await gw.client.post("/v1/chat/completions", json=CHAT), 400)
@@ -367,3 +367,11 @@ async def test_metrics(gw: InProcess) -> None:
     assert reg.get_sample_value("moetier_gateway_running_requests") == 0
     n = len(reply_script(gw.model.tokenizer))
     assert reg.get_sample_value("moetier_gateway_generation_tokens_total") == n + 2
+
+
+def test_every_metric_is_documented() -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "gateway.md").read_text()
+    names = {m.name + ("_total" if m.type == "counter" else "")
+             for m in GatewayMetrics().registry.collect() if m.name.startswith("moetier_gateway_")}
+    assert len(names) == 9
+    assert not [n for n in names if f"`{n}`" not in doc]

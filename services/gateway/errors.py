@@ -1,20 +1,12 @@
 """HTTP errors in the OpenAI envelope: {"error": {"message", "type", "param", "code"}}.
 
-One handler per error type (installed by `install_handlers`):
-
-| raised | status | type | code |
-|---|---|---|---|
-| APIError (gateway checks) | its own | its own | its own |
-| RequestValidationError (bad JSON, wrong types, wrong content type) | 400 | invalid_request_error | invalid_value / invalid_json |
-| InvalidArgument | 400 | invalid_request_error | invalid_value |
-| NotFound | 404 | invalid_request_error | not_found |
-| ResourceExhausted (router queue full) | 429 + Retry-After | rate_limit_error | rate_limit_exceeded |
-| Unavailable (no worker, router down or timed out) | 503 | service_unavailable | service_unavailable |
-| other MoetierError, any other exception | 500 | server_error | internal_error |
-| starlette HTTPException (unknown path, wrong method) | its own | invalid_request_error | null |
-
-401 and 413 come from the middlewares (services.gateway.middleware), which answer
-before the app runs, through `error_response`. Messages never carry a traceback.
+One handler per error type (`install_handlers`): APIError (the gateway's own checks,
+already in OpenAI terms), RequestValidationError (400), MoetierError (via
+`from_moetier`: InvalidArgument 400, NotFound 404, ResourceExhausted 429 + Retry-After,
+Unavailable 503, others 500), starlette's HTTPException (unknown path, wrong method) and
+any other exception (500, logged). 401 and 413 come from the middlewares, which answer
+before the app runs, through `error_response`. The full table is in docs/gateway.md.
+Messages never carry a traceback.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """The gateway's Prometheus metrics; this module owns every metric object.
 
-| metric | type | labels | meaning |
-|---|---|---|---|
-| moetier_gateway_time_to_first_token_seconds | histogram | | request accepted -> first generated token received |
-| moetier_gateway_inter_token_latency_seconds | histogram | | between consecutive generated tokens |
-| moetier_gateway_e2e_request_latency_seconds | histogram | | request accepted -> last token (or failure) |
-| moetier_gateway_queue_time_seconds | histogram | | time the request waited in router/worker queues (reported by the worker) |
-| moetier_gateway_prompt_tokens_total | counter | | prompt tokens of generations started |
-| moetier_gateway_generation_tokens_total | counter | | tokens generated |
-| moetier_gateway_finished_requests_total | counter | finish_reason: stop, length, error, abort | generations by how they ended (abort: the client went away) |
-| moetier_gateway_http_requests_total | counter | endpoint (the route, or "other"), status | HTTP responses by status code |
-| moetier_gateway_running_requests | gauge | | generations in flight |
-
+Every metric is documented in docs/gateway.md (a test keeps the table complete). Names
+are moetier_gateway_<name>_<unit>; labels are bounded (finish_reason, endpoint, status).
 Each app has its own registry, so several apps (tests) never collide.
 """
 

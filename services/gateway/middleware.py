@@ -14,7 +14,8 @@ from services.gateway.metrics import GatewayMetrics
 
 
 class StatusMetrics:
-    """Counts every HTTP response by endpoint and status code."""
+    """Counts every HTTP response by endpoint and status code: 500 when the app raised,
+    499 when it answered nothing because the client went away first."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
@@ -24,7 +25,7 @@ class StatusMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status: int | None = None
 
         async def send_status(message: Message) -> None:
             nonlocal status
@@ -34,8 +35,11 @@ class StatusMetrics:
 
         try:
             await self.app(scope, receive, send_status)
+        except Exception:
+            status = status or 500
+            raise
         finally:
-            self.metrics.count_http(scope["path"], status)
+            self.metrics.count_http(scope["path"], status or 499)
 
 
 class APIKeyAuth:
