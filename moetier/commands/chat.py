@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace, read: Callable[[str], str] = input, out: TextI
         err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a request log line per turn would garble the chat
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     params: dict[str, Any] = {k: v for k, v in (("max_tokens", args.max_tokens), ("temperature", args.temperature))
                               if v is not None}
