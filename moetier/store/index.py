@@ -7,23 +7,26 @@ that turns a verified record buffer into what compute uses (the container's
 `RecordLayout.parse`, zero-copy `ExpertWeights`). Without `parse` the tier hands out
 the raw uint8 record buffers.
 
-`ExpertIndex` is built from the container (`from_container`), from
-experts/index.json directly (`from_dir`, the format in docs/internals.md), or from a
-list of records (tests, benchmarks).
+`ExpertIndex` is built from an open container (`from_container`), from a bare
+experts/index.json (`from_dir`, the format in docs/internals.md; synthetic record
+sets), from either by path (`open_index`), or from a list of records.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import FormatError, NotFound
+
+if TYPE_CHECKING:
+    from moetier.weights.container import Container
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 RecordParser = Callable[[npt.NDArray[np.uint8]], Any]
@@ -119,25 +122,23 @@ class ExpertIndex:
         return cls(experts, records, identity, parse)
 
     @classmethod
-    def from_container(cls, container: Any) -> ExpertIndex:
-        """From an open `moetier.weights.container.Container` (duck-typed: `.index` with
-        per-record locations, `.identity`, and `.layout.parse`)."""
-        idx = container.index
-        root = Path(getattr(idx, "root", None) or Path(container.path) / "experts")
-        records: dict[ExpertKey, RecordLocation] = {}
-        for key, loc in _iter_locations(idx):
-            p = Path(loc[0])
-            rel = str(p.relative_to(root)) if p.is_absolute() else str(p)
-            records[key] = RecordLocation.make(rel, loc[1], loc[2], loc[3])
-        layout = getattr(idx, "layout", None)
-        parse = layout.parse if layout is not None else None
-        return cls(root, records, str(getattr(idx, "identity", "")), parse)
+    def from_container(cls, container: Container) -> ExpertIndex:
+        """From an open container: its validated index, identity and record layout parser."""
+        root = Path(container.path) / "experts"
+        records = {
+            (loc.layer, loc.expert): RecordLocation.make(str(PurePosixPath(loc.file).relative_to("experts")),
+                                                         loc.offset, loc.length, loc.checksum)
+            for loc in container.index
+        }
+        return cls(root, records, container.index.identity, container.layout.parse)
 
 
-def _iter_locations(idx: Any) -> Iterable[tuple[ExpertKey, tuple[Any, int, int, Any]]]:
-    items = idx.records.items() if isinstance(getattr(idx, "records", None), Mapping) else idx.items()
-    for key, loc in items:
-        if isinstance(loc, tuple):
-            yield (int(key[0]), int(key[1])), loc
-        else:
-            yield (int(key[0]), int(key[1])), (loc.path, loc.offset, loc.length, loc.checksum)
+def open_index(model_dir: Path | str) -> ExpertIndex:
+    """A container (moetier.json present: validated, with its parser) or a bare record set."""
+    d = Path(model_dir)
+    if (d / "moetier.json").is_file():
+        from moetier.weights.container import Container
+
+        with Container.open(d) as c:
+            return ExpertIndex.from_container(c)
+    return ExpertIndex.from_dir(d)

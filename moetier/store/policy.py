@@ -6,7 +6,8 @@ hit rates `moetier bench cache` reports are the tier's.
 
 Calls, all under the tier's lock:
     record(key)        a demand access (hit or miss), before the key is resident on a miss
-    insert(key)        key became resident (a demand read or a prefetch completed)
+    insert(key)        key entered the tier (its read is queued; the tier never evicts it
+                       while the read is in flight or a compute holds it)
     remove(key)        key left the tier (evicted or failed)
     victim(skip)       the next key to evict among resident keys with skip(key) False,
                        or None; the tier then evicts it and calls remove(key)

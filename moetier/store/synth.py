@@ -33,31 +33,34 @@ def write_records(
     model_dir: Path | str,
     layers: Sequence[int],
     n_experts: int,
-    record_bytes: int,
+    record_bytes: int | Callable[[ExpertKey], int],
     *,
     seed: int = 0,
     fill: Filler | None = None,
     parse: Callable[[npt.NDArray[np.uint8]], object] | None = None,
 ) -> ExpertIndex:
-    """Write layer files of `n_experts` records of `record_bytes` (rounded up to 4 KiB) under
-    model_dir/experts; `fill(key, rng)` gives a record's content (default random bytes)."""
+    """Write layer files of `n_experts` records of `record_bytes` (rounded up to 4 KiB; a function
+    of the key for mixed sizes) under model_dir/experts; `fill(key, rng)` gives a record's
+    content (default random bytes)."""
     experts = Path(model_dir) / "experts"
     experts.mkdir(parents=True, exist_ok=True)
-    length = _pad(record_bytes)
     rng = np.random.default_rng(seed)
     files = [f"layer-{layer:03d}.bin" for layer in layers]
     records: dict[ExpertKey, RecordLocation] = {}
     rows = []
     for fi, (layer, name) in enumerate(zip(layers, files, strict=True)):
+        offset = 0
         with open(experts / name, "wb") as f:
             for e in range(n_experts):
+                length = _pad(record_bytes((layer, e)) if callable(record_bytes) else record_bytes)
                 body = fill((layer, e), rng) if fill is not None else rng.bytes(length)
                 data = body + bytes(length - len(body))
                 assert len(data) == length, "a record's content is larger than record_bytes"
                 checksum = xxhash.xxh3_64_intdigest(data)
-                records[(layer, e)] = RecordLocation(name, e * length, length, checksum)
-                rows.append([layer, e, fi, e * length, length, f"{checksum:016x}"])
+                records[(layer, e)] = RecordLocation(name, offset, length, checksum)
+                rows.append([layer, e, fi, offset, length, f"{checksum:016x}"])
                 f.write(data)
+                offset += length
     listing = {"files": files, "records": rows}
     identity = xxhash.xxh3_64_hexdigest(json.dumps(listing, sort_keys=True, separators=(",", ":")).encode())
     doc = {"format_version": 1, "checksum": "xxh3_64", "layout": None, "files": files,

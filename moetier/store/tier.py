@@ -254,7 +254,8 @@ class ExpertTier:
         self._stats.hits[layer] += hits
         self._stats.misses[layer] += len(keys) - hits
         self._make_room()
-        for e in new:
+        for e in new:  # into the policy now, in key order, so decisions never depend on read timing
+            self.policy.insert(e.key)
             self._start_read(e, DEMAND)
         return Lease(self, layer, entries, len(keys) - hits)
 
@@ -296,9 +297,9 @@ class ExpertTier:
                     self._ready_bytes += e.nbytes
                     if e.pins:
                         self._pinned_ready_bytes += e.nbytes
-                    self.policy.insert(e.key)
                 else:
                     del self._entries[e.key]
+                    self.policy.remove(e.key)
                     if fut.cancelled():
                         self._stats.prefetch_dropped += 1
                     else:
@@ -315,7 +316,8 @@ class ExpertTier:
             self.engine.reclaim(Holder(buf))
 
     def _skip(self, key: ExpertKey) -> bool:
-        return self._entries[key].pins > 0
+        e = self._entries[key]
+        return e.pins > 0 or e.loading
 
     def _make_room(self) -> None:
         while self._ready_bytes + self._loading_bytes > self.budget:
@@ -363,6 +365,7 @@ class ExpertTier:
                 self._prefetching[k] = e
                 self._loading_bytes += n
                 self._make_room()
+                self.policy.insert(k)
                 self._stats.prefetch_issued += 1
                 issued += 1
                 self._start_read(e, PREFETCH)
