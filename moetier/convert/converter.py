@@ -23,7 +23,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,12 +33,12 @@ from tqdm import tqdm
 
 from moetier.convert.adapters import Dense, Expert, FusedExperts, UnknownTensor
 from moetier.convert.qerror import Stats, experts_sample, measure, merge, summary
-from moetier.convert.source import F32, SCALE_SUFFIX, HFSource, load_f32
+from moetier.convert.source import F32, SCALE_SUFFIX, HFSource, load_f32, widen
 from moetier.errors import ConversionError, FormatError
 from moetier.weights.format import MANIFEST, atomic_write, canonical_json, fsync_dir, xxh3_file, xxh3_hex
 from moetier.weights.layout import pack_part_into
 from moetier.weights.quant import ExpertWeights, QDType, QTensor, quantize
-from moetier.weights.safetensors_io import MappedFile
+from moetier.weights.safetensors_io import MappedFile, TensorInfo
 from moetier.weights.schema import DENSE_ALLOWED, EXPERT_PARTS, EXPERTS_ALLOWED, dense_shapes, expert_shapes
 from moetier.weights.writer import ContainerWriter
 
@@ -197,6 +197,9 @@ class Converter:
                     (self.spill_dir / _spill_name(key[0], key[1], key[2])).unlink(missing_ok=True)
                 merge(stats, ent["errors"])
                 files[shard.name] = {"size": ent["size"], "xxh3_64": ent["xxh3_64"]}
+        except BaseException:
+            w.abort()
+            raise
         finally:
             bar.close()
         self._check_complete(seen_dense, seen_parts)
@@ -298,8 +301,10 @@ class Converter:
                 "dense": dense_names, "records": sorted(records), "spilled": spill, "consumed": sorted(consumed),
                 "errors": stats}
 
-    def _expert_parts(self, target: Any, info: Any, mf: Any, shard: str,
-                      where: str) -> list[tuple[int, int, str, F32]]:
+    def _expert_parts(self, target: Expert | FusedExperts, info: TensorInfo, mf: MappedFile, shard: str,
+                      where: str) -> Iterator[tuple[int, int, str, F32]]:
+        """(layer, expert, part, float32 matrix), one expert at a time (a fused tensor is
+        widened slice by slice, never whole)."""
         args = self.args
         if target.layer >= args.num_layers or not args.moe_layers[target.layer]:
             raise ConversionError(f"{where}: layer {target.layer} is not a MoE layer of this {args.arch} model")
@@ -308,16 +313,18 @@ class Converter:
             if not 0 <= target.expert < e_count:
                 raise ConversionError(f"{where}: expert {target.expert} out of range ({e_count} experts)")
             _check_shape(where, info.shape, self.expert_want[target.part])
-            return [(target.layer, target.expert, target.part, load_f32(mf, info, shard))]
-        assert isinstance(target, FusedExperts)
+            yield target.layer, target.expert, target.part, load_f32(mf, info, shard)
+            return
+        raw = mf.raw(info.name)
         if target.part == "gate_up":
             _check_shape(where, info.shape, (e_count, 2 * inter, d))
-            x = load_f32(mf, info, shard)
-            return [(target.layer, e, p, np.ascontiguousarray(x[e, s])) for e in range(e_count)
-                    for p, s in (("gate", slice(0, inter)), ("up", slice(inter, 2 * inter)))]
+            for e in range(e_count):
+                yield target.layer, e, "gate", widen(raw[e, :inter], info.dtype, info.name, shard)
+                yield target.layer, e, "up", widen(raw[e, inter:], info.dtype, info.name, shard)
+            return
         _check_shape(where, info.shape, (e_count, d, inter))
-        x = load_f32(mf, info, shard)
-        return [(target.layer, e, "down", np.ascontiguousarray(x[e])) for e in range(e_count)]
+        for e in range(e_count):
+            yield target.layer, e, "down", widen(raw[e], info.dtype, info.name, shard)
 
     def _maybe_record(self, w: ContainerWriter, li: int, e: int, have: dict[str, QTensor],
                       spilled: set[PartKey], records: list[list[Any]], consumed: list[list[Any]]) -> None:

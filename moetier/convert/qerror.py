@@ -19,6 +19,7 @@ from moetier.weights.quant import QTensor, dequantize, quantize
 F32 = npt.NDArray[np.float32]
 CHUNK = 1 << 22  # elements per float64 reduction chunk: bounds temporary memory
 METHODS = ("stored", "int4_group", "int4_row")
+SAMPLE_ELEMENTS = 1 << 24
 
 Stats = dict[str, dict[str, Any]]  # class -> {"tensors": n, "ref2": s, "<method>": err2}
 
@@ -39,8 +40,23 @@ def _err2(x: F32, approx: F32) -> float:
     return _sq(approx - x)
 
 
+def _rows(x: F32, stored: QTensor, limit: int) -> tuple[F32, QTensor]:
+    """An evenly spaced row sample of at most `limit` elements (large embeddings, lm_head)."""
+    rows = x.shape[0]
+    keep = max(1, limit // max(1, x.shape[1]))
+    if rows <= keep:
+        return x, stored
+    idx = np.linspace(0, rows - 1, keep).round().astype(np.int64)
+    sc = None if stored.scales is None else np.ascontiguousarray(stored.scales[idx])
+    return (np.ascontiguousarray(x[idx]),
+            QTensor(stored.dtype, (len(idx), *stored.shape[1:]), np.ascontiguousarray(stored.data[idx]), sc,
+                    stored.group_size))
+
+
 def measure(stats: Stats, cls: str, x: F32, stored: QTensor, group_size: int) -> None:
-    """Add one tensor's squared errors to `stats[cls]` (x: float32 [R, C] source)."""
+    """Add one tensor's squared errors to `stats[cls]` (x: float32 [R, C] source; tensors
+    over SAMPLE_ELEMENTS are measured on an evenly spaced row sample)."""
+    x, stored = _rows(x, stored, SAMPLE_ELEMENTS)
     ent = stats.setdefault(cls, {"tensors": 0, "ref2": 0.0, **{m: 0.0 for m in METHODS}})
     ent["tensors"] += 1
     ent["ref2"] += _sq(x)

@@ -142,21 +142,24 @@ def _shard(root: Path, name: str) -> Shard:
 
 def load_f32(mf: MappedFile, info: TensorInfo, shard: str) -> F32:
     """A source tensor widened to float32 (a copy; the map is only read)."""
-    raw = mf.raw(info.name)
-    tag = info.dtype
+    if info.dtype == "F8_E4M3":
+        sname = info.name + SCALE_SUFFIX
+        if sname not in mf.header.tensors:
+            raise ConversionError(f"FP8 tensor {info.name!r} in {shard} has no {sname!r} in the same shard")
+        return fp8_block_dequant(mf.raw(info.name), load_f32(mf, mf.header.tensors[sname], shard), info.name)
+    return widen(mf.raw(info.name), info.dtype, info.name, shard)
+
+
+def widen(raw: np.ndarray, tag: str, name: str, shard: str) -> F32:
+    """Stored values (any slice of a mapped tensor) -> float32."""
     if tag == "F32":
         return np.array(raw, dtype=np.float32)
     if tag in ("F16", "F64"):
         return raw.astype(np.float32)
     if tag == "BF16":
         return bf16_to_f32(np.ascontiguousarray(raw))
-    if tag == "F8_E4M3":
-        sname = info.name + SCALE_SUFFIX
-        if sname not in mf.header.tensors:
-            raise ConversionError(f"FP8 tensor {info.name!r} in {shard} has no {sname!r} in the same shard")
-        return fp8_block_dequant(raw, load_f32(mf, mf.header.tensors[sname], shard), info.name)
-    raise ConversionError(f"tensor {info.name!r} in {shard} has dtype {tag}, which moetier cannot convert "
-                          "(supported: F32, BF16, F16, F8_E4M3 with block scales)")
+    raise ConversionError(f"tensor {name!r} in {shard} has dtype {tag}, which moetier cannot convert "
+                          "(supported: F32, BF16, F16, 2-D F8_E4M3 with 128x128 block scales)")
 
 
 def fp8_block_dequant(q: np.ndarray, scale_inv: F32, name: str) -> F32:
