@@ -84,6 +84,11 @@ def reply_script(tok: TextTokenizer, text: str = REPLY, *, max_tokens: int = 100
 class FakeRouter(router_pb2_grpc.RouterServicer):
     def __init__(self, tok: TextTokenizer) -> None:
         self.tok = tok
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the default script and a healthy cluster, with nothing recorded."""
+        tok = self.tok
         self.script: Callable[[generate_pb2.GenerateRequest], Script] = \
             lambda r: reply_script(tok, max_tokens=r.sampling.max_tokens)
         self.members: list[tuple[int, str]] = [(router_pb2.MEMBER_KIND_DENSE_WORKER, "worker-0"),
@@ -91,9 +96,6 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         self.requests: list[generate_pb2.GenerateRequest] = []
         self.started = threading.Event()  # a Generate call arrived
         self.cancelled = threading.Event()  # a Generate call was cancelled by its client
-
-    def reset(self) -> None:
-        self.__init__(self.tok)  # type: ignore[misc]
 
     async def Generate(self, request: generate_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:

@@ -33,10 +33,6 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._emitted: list[str] = []
 
-    @property
-    def ids(self) -> list[int]:
-        return self._ids
-
     def add(self, ids: Sequence[int]) -> str:
         """Append token ids; return the new text that is complete (possibly empty)."""
         self._ids.extend(ids)

@@ -58,8 +58,9 @@ class Gateway:
     def completion_budget(self, prompt_tokens: int, requested: int | None, param: str) -> int:
         """max_tokens for the worker: what was asked, or the rest of the context."""
         limit = self.context_limit
-        why = (f"the smaller of inference.max_seq_len={self.settings.inference.max_seq_len} and the model's "
-               f"max_position_embeddings={self.model.max_position_embeddings}")
+        mpe = self.model.max_position_embeddings
+        why = f"inference.max_seq_len={self.settings.inference.max_seq_len}" + (
+            f", the model's max_position_embeddings={mpe}" if mpe is not None else "")
         if prompt_tokens == 0:
             raise APIError(400, "The prompt is empty.", param=param, code="invalid_value")
         if requested is None:
