@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from moetier.rpc.v1 import generate_pb2
 
-U32 = 2**31 - 1  # upper bound for values that travel as uint32
+U32 = 2**31 - 1  # bound for values that travel as uint32 (kept within int32 too)
 U64 = 2**64 - 1
 TokenId = Annotated[int, Field(ge=0, le=U32)]
 
