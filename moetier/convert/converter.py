@@ -197,12 +197,12 @@ class Converter:
                     (self.spill_dir / _spill_name(key[0], key[1], key[2])).unlink(missing_ok=True)
                 merge(stats, ent["errors"])
                 files[shard.name] = {"size": ent["size"], "xxh3_64": ent["xxh3_64"]}
+            self._check_complete(seen_dense, seen_parts)
         except BaseException:
             w.abort()
             raise
         finally:
             bar.close()
-        self._check_complete(seen_dense, seen_parts)
         src_files = {"config.json": {"size": len(self.source.config_bytes),
                                      "xxh3_64": xxh3_hex(self.source.config_bytes)}}
         index = self.source.root / "model.safetensors.index.json"
