@@ -22,7 +22,7 @@ from moetier.weights.quant import bf16_to_f32
 from moetier.weights.safetensors_io import MappedFile, SafetensorsWriter
 
 ARCHS = ["deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
-SHARD = 30_000  # small shards: experts end up split across them
+SHARD = 20_000  # at most two expert matrices per shard: every expert is split across shards
 
 
 def _files(root: Path) -> dict[str, bytes]:
