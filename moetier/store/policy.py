@@ -17,13 +17,13 @@ Policies:
     lfu      least frequently used, counting every access since start (not only
              while resident: "perfect" LFU), ties broken by recency.
     learned  usage history (exponentially decayed counts, persisted across
-             restarts, see history.py) picks a hot set that fits in `fraction` of
+             restarts, see history.py) picks a hot set that fits in a fraction of
              the budget; hot experts are protected, the rest is LRU, and a hot
              expert is evicted only when nothing else can be. The hot set always
              leaves room for the largest batch union seen (consecutive accesses of
              one layer), so the LRU part can take a layer's misses without evicting
-             hot experts. `moetier bench cache` measured fraction 0.9 and a half-life
-             of ~20k accesses best of the values tried on the synthetic traces.
+             hot experts. The fraction is fixed, or (default) chosen among 0, 0.5
+             and 0.9 by sampled shadow caches (see Learned).
 """
 
 from __future__ import annotations
@@ -139,23 +139,78 @@ class LFU(Policy):
         return found
 
 
+FRACTIONS = (0.0, 0.5, 0.9)  # hot-set sizes the adaptive learned policy chooses among
+SHADOW_KEYS = 1024  # experts the shadow caches sample (spatial sampling, as in SHARDS)
+
+
+class _Shadow:
+    """A key-sampled miniature of the learned policy at one hot-set fraction: it replays the
+    sampled keys' accesses in a cache scaled by the sampling rate and counts its hits."""
+
+    def __init__(self, fraction: float, capacity: int) -> None:
+        self.fraction = fraction
+        self.capacity = max(1, capacity)
+        self.hot: OrderedDict[ExpertKey, None] = OrderedDict()
+        self.cold: OrderedDict[ExpertKey, None] = OrderedDict()
+        self.hits = 0.0
+        self.group: set[ExpertKey] = set()  # the current batch union (never evicts its own members)
+        self.group_layer = -1
+        self.max_group = 0
+
+    @property
+    def protect(self) -> int:
+        return max(0, min(int(self.fraction * self.capacity), self.capacity - self.max_group))
+
+    def access(self, key: ExpertKey, hot: bool) -> None:
+        if key[0] != self.group_layer:
+            self.group.clear()
+            self.group_layer = key[0]
+        self.group.add(key)
+        self.max_group = max(self.max_group, len(self.group))
+        for lst in (self.hot, self.cold):
+            if key in lst:
+                lst.move_to_end(key)
+                self.hits += 1
+                return
+        while len(self.hot) + len(self.cold) >= self.capacity:
+            v = _first_unskipped(self.cold, self.group.__contains__)
+            if v is None:
+                v = _first_unskipped(self.hot, self.group.__contains__)
+            if v is None:
+                return
+            self.hot.pop(v, None)
+            self.cold.pop(v, None)
+        (self.hot if hot else self.cold)[key] = None
+
+    def regroup(self, is_hot: Callable[[ExpertKey], bool]) -> None:
+        _regroup(self.hot, self.cold, is_hot)
+
+
 class Learned(Policy):
-    """Hot set from decayed usage counts (protected), LRU for the rest."""
+    """Hot set from decayed usage counts (protected), LRU for the rest.
+
+    The best hot-set size depends on the traffic: a large one wins when popularity is
+    skewed and the cache is small (an LRU part smaller than one step's working set only
+    thrashes), a small one when consecutive steps reuse experts and the LRU part can hold
+    a step. With `fraction=None` the policy picks among FRACTIONS (0.0 is plain LRU)
+    from shadow caches that replay a key sample of the accesses at each fraction, so it
+    follows the best of them, LRU included, as the traffic changes.
+    """
 
     name = "learned"
 
-    def __init__(self, layers: Sequence[int], n_experts: int, capacity: int, *, fraction: float = 0.9,
-                 half_life: float = 20_000.0, refresh_every: int = 256,
+    def __init__(self, layers: Sequence[int], n_experts: int, capacity: int, *, fraction: float | None = None,
+                 half_life: float = 20_000.0, refresh_every: int = 256, choose_every: int = 2048,
                  counts: npt.NDArray[np.float64] | None = None) -> None:
-        """capacity: experts the budget holds; the hot set takes up to `fraction` of it.
-        half_life: demand accesses after which a use counts half. counts: [L, E] history."""
-        if not 0.0 <= fraction <= 1.0:
+        """capacity: experts the budget holds; the hot set takes up to `fraction` of it (None:
+        adaptive). half_life: demand accesses after which a use counts half. counts: [L, E] history."""
+        if fraction is not None and not 0.0 <= fraction <= 1.0:
             raise ValueError(f"learned policy fraction must be in [0, 1], got {fraction}")
         self.row = {layer: i for i, layer in enumerate(layers)}
         self.layers = tuple(layers)
         self.n_experts = n_experts
         self.capacity = max(0, int(capacity))
-        self.fraction = fraction
+        self.fraction = FRACTIONS[1] if fraction is None else fraction
         self.refresh_every = refresh_every
         self._growth = 2.0 ** (1.0 / half_life)
         self._inc = 1.0  # increment of the next access; grows instead of decaying every count
@@ -170,6 +225,17 @@ class Learned(Policy):
         self._run_layer = -1  # layer of the current run of accesses (one batch union)
         self._run = 0
         self._max_run = 0
+        # adaptive fraction: shadows over a deterministic sample of the keys
+        total = max(1, len(self.layers) * n_experts)
+        self._rate = min(1.0, SHADOW_KEYS / total)
+        sampled = _sample_mask(shape, self._rate)
+        self._sampled = sampled  # [L, E] bool
+        self._sampled_flat = np.flatnonzero(sampled.reshape(-1))
+        self._shadow_hot = [np.zeros(shape, dtype=bool) for _ in FRACTIONS]
+        self._shadows = [] if fraction is not None else [
+            _Shadow(f, round(self._rate * self.capacity)) for f in FRACTIONS]
+        self._choose_every = choose_every
+        self._sampled_since = 0
         self._refresh()
 
     @property
@@ -181,21 +247,25 @@ class Learned(Policy):
         """Counts in units of one current access (what history.py persists)."""
         return self.counts / self._inc
 
+    @staticmethod
+    def _top(flat: npt.NDArray[np.float64], idx: npt.NDArray[np.intp], n: int, size: int) -> npt.NDArray[np.bool_]:
+        """Mask of the n keys among `idx` with the highest counts (keys never used excluded)."""
+        mask = np.zeros(size, dtype=bool)
+        vals = flat[idx]
+        n = min(n, int(np.count_nonzero(vals)))
+        if n:
+            top = idx[np.argpartition(-vals, n - 1)[:n]] if n < idx.size else idx
+            mask[top] = True
+        return mask
+
     def _refresh(self) -> None:
         flat = self.counts.reshape(-1)
-        mask = np.zeros(flat.shape, dtype=bool)
-        n = min(self.protect, int(np.count_nonzero(flat)))
-        if n:
-            top = np.argpartition(-flat, n - 1)[:n] if n < flat.size else np.arange(flat.size)
-            mask[top] = True
-        self._hot_mask = mask.reshape(self.counts.shape)
-        # move resident keys whose status changed, keeping LRU order within each list
-        for k in [k for k in self._hot if not self._is_hot(k)]:
-            del self._hot[k]
-            self._cold[k] = None
-        for k in [k for k in self._cold if self._is_hot(k)]:
-            del self._cold[k]
-            self._hot[k] = None
+        self._hot_mask = self._top(flat, np.arange(flat.size), self.protect, flat.size).reshape(self.counts.shape)
+        _regroup(self._hot, self._cold, self._is_hot)
+        for i, sh in enumerate(self._shadows):
+            m = self._top(flat, self._sampled_flat, sh.protect, flat.size).reshape(self.counts.shape)
+            self._shadow_hot[i] = m
+            sh.regroup(lambda k, m=m: bool(m[self.row[k[0]], k[1]]))  # type: ignore[misc]
 
     def _is_hot(self, key: ExpertKey) -> bool:
         r = self.row.get(key[0])
@@ -214,6 +284,13 @@ class Learned(Policy):
             if self._inc > 1e200:
                 self.counts /= self._inc
                 self._inc = 1.0
+            if self._shadows and self._sampled[r, key[1]]:
+                for i, sh in enumerate(self._shadows):
+                    sh.access(key, bool(self._shadow_hot[i][r, key[1]]))
+                self._sampled_since += 1
+                if self._sampled_since >= self._choose_every:
+                    self._sampled_since = 0
+                    self._choose()
         for lst in (self._hot, self._cold):
             if key in lst:
                 lst.move_to_end(key)
@@ -221,6 +298,15 @@ class Learned(Policy):
         if self._since >= self.refresh_every:
             self._since = 0
             self._refresh()
+
+    def _choose(self) -> None:
+        """Follow the shadow with the most (recent) hits; keep the current one on a tie."""
+        current = next(sh for sh in self._shadows if sh.fraction == self.fraction)
+        best = max(self._shadows, key=lambda sh: sh.hits)
+        if best.hits > current.hits * 1.01:
+            self.fraction = best.fraction
+        for sh in self._shadows:
+            sh.hits *= 0.5
 
     def insert(self, key: ExpertKey) -> None:
         self._hot.pop(key, None)
@@ -239,7 +325,25 @@ class Learned(Policy):
         return len(self._hot)
 
 
-def make_policy(name: str, layers: Sequence[int], n_experts: int, capacity: int, *, fraction: float = 0.9,
+def _regroup(hot: OrderedDict[ExpertKey, None], cold: OrderedDict[ExpertKey, None],
+             is_hot: Callable[[ExpertKey], bool]) -> None:
+    """Move resident keys whose hot status changed, keeping LRU order within each list."""
+    for k in [k for k in hot if not is_hot(k)]:
+        del hot[k]
+        cold[k] = None
+    for k in [k for k in cold if is_hot(k)]:
+        del cold[k]
+        hot[k] = None
+
+
+def _sample_mask(shape: tuple[int, int], rate: float) -> npt.NDArray[np.bool_]:
+    """A deterministic pseudo-random subset of the (layer row, expert) keys at `rate`."""
+    r, e = np.meshgrid(np.arange(shape[0], dtype=np.uint64), np.arange(shape[1], dtype=np.uint64), indexing="ij")
+    h = ((r * np.uint64(0x9E3779B1) + e) * np.uint64(0x85EBCA77)) & np.uint64(0xFFFFFFFF)
+    return h < np.uint64(int(rate * 2**32)) if rate < 1.0 else np.ones(shape, dtype=bool)
+
+
+def make_policy(name: str, layers: Sequence[int], n_experts: int, capacity: int, *, fraction: float | None = None,
                 history: npt.NDArray[np.float64] | None = None, half_life: float = 20_000.0) -> Policy:
     """capacity: experts the budget holds (budget // record bytes)."""
     if name == "lru":

@@ -56,7 +56,7 @@ IdsLike = Iterable[int] | npt.NDArray[np.integer[Any]]
 class TierConfig:
     budget_bytes: int
     policy: str = "lru"  # lru | lfu | learned
-    learned_fraction: float = 0.9  # share of the budget the learned policy's hot set may hold
+    learned_fraction: float | None = None  # learned: hot-set share of the budget (None: adaptive)
     learned_half_life: float = 20_000.0  # demand accesses after which a use counts half
     history_path: Path | None = None  # learned: usage history file (loaded at start, saved on close)
     prefetch_limit: int = 16  # prefetch reads queued or running at most

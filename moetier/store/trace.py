@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -151,3 +152,23 @@ def trace_stats(trace: Trace) -> dict[str, float]:
     sizes = [np.unique(ids).size for step in trace for _, ids in step]
     return {"steps": len(trace), "layer_calls": len(sizes), "accesses": float(sum(sizes)),
             "mean_union": float(np.mean(sizes)) if sizes else 0.0}
+
+
+class TraceRecorder:
+    """An ExpertProvider wrapper that records every `moe` call's routing as a trace (a new step
+    starts when the layer order wraps), then delegates: `Model(..., TraceRecorder(experts))`."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.trace: Trace = []
+        self._last = -1
+
+    def moe(self, layer: int, x: npt.NDArray[np.float32], ids: Ids, weights: npt.NDArray[np.float32]) -> Any:
+        if not self.trace or layer <= self._last:
+            self.trace.append([])
+        self.trace[-1].append((layer, np.array(ids, dtype=np.int32)))
+        self._last = layer
+        return self.inner.moe(layer, x, ids, weights)
+
+    def prefetch(self, layer: int, ids: Ids) -> None:
+        self.inner.prefetch(layer, ids)

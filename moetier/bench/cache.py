@@ -1,0 +1,127 @@
+"""`moetier bench cache`: hit rate of every RAM-tier policy beside Belady's optimum.
+
+Each trace is replayed through the tier's own policy objects (moetier.store.sim,
+the same decisions the live tier makes; a test checks they agree) at cache sizes
+of 5/10/25/50% of all routed experts, and through Belady's MIN, the offline
+optimum under the same rule that a layer's batch union is resident at once.
+Traces: routing traces recorded from the model (`--trace FILE.npz`, format in
+moetier.store.trace; `TraceRecorder` records them), and synthetic ones:
+`zipf` (independent tokens, Zipf popularity per layer) and `temporal` (plus
+per-sequence topics, expert reuse between consecutive tokens, sequence churn).
+
+`learned+history` is the learned policy after a restart: its usage history comes
+from a previous run (synthetic traces: the same model, other traffic). The
+headline `ratio` is best cold-start policy / Belady at 10%, on the first trace
+file given, else on `temporal`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moetier.errors import InvalidArgument
+from moetier.store.policy import POLICIES, Learned, make_policy
+from moetier.store.sim import belady, simulate
+from moetier.store.trace import SynthSpec, Trace, load_trace, temporal_trace, trace_stats, zipf_trace
+
+SIZES = (0.05, 0.10, 0.25, 0.50)
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "cache", help="hit rate of lru/lfu/learned vs Belady's optimum at 5-50%% cache sizes")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", action="append", default=[], metavar="FILE.npz",
+                   help="routing trace file (repeatable); default: synthetic traces only")
+    p.add_argument("--no-synthetic", action="store_true", help="only the --trace files")
+    s = SynthSpec()
+    p.add_argument("--steps", type=int, default=s.steps, help=f"synthetic decode steps (default {s.steps})")
+    p.add_argument("--layers", type=int, default=s.layers, help=f"synthetic MoE layers (default {s.layers})")
+    p.add_argument("--experts", type=int, default=s.n_experts, help=f"experts per layer (default {s.n_experts})")
+    p.add_argument("--top-k", type=int, default=s.top_k, help=f"experts per token (default {s.top_k})")
+    p.add_argument("--batch", type=int, default=s.batch, help=f"sequences per step (default {s.batch})")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = SynthSpec(layers=args.layers, n_experts=args.experts, top_k=args.top_k, batch=args.batch,
+                     steps=args.steps)
+    traces: list[dict[str, Any]] = []
+    for f in args.trace:
+        tr, n_experts = load_trace(f)
+        traces.append({"name": Path(f).stem, "kind": "routing", "trace": tr, "n_experts": n_experts,
+                       "history_from": None})
+    if not args.no_synthetic:
+        for name, gen in (("zipf", zipf_trace), ("temporal", temporal_trace)):
+            traces.append({"name": name, "kind": "synthetic", "trace": gen(spec, args.seed + 1, args.seed),
+                           "n_experts": spec.n_experts, "history_from": gen(spec, args.seed + 2, args.seed)})
+    if not traces:
+        raise InvalidArgument("no trace: give --trace FILE.npz or allow the synthetic ones")
+    t0 = time.perf_counter()
+    results = [evaluate(t["name"], t["kind"], t["trace"], t["n_experts"], t["history_from"]) for t in traces]
+    head = next((r for r in results if r["kind"] == "routing"), None) or next(
+        r for r in results if r["name"] == "temporal")
+    out = {"name": "cache", "sizes": list(SIZES), "traces": results, "ratio_trace": head["name"],
+           "ratio": head["best_over_belady_10"], "seconds": time.perf_counter() - t0,
+           "synthetic": {"layers": spec.layers, "experts": spec.n_experts, "top_k": spec.top_k,
+                         "batch": spec.batch, "steps": spec.steps, "alpha": spec.alpha}}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        _print(out)
+    return 0
+
+
+def evaluate(name: str, kind: str, trace: Trace, n_experts: int, history_from: Trace | None) -> dict[str, Any]:
+    layers = sorted({layer for step in trace for layer, _ in step})
+    total = len(layers) * n_experts
+    st = trace_stats(trace)
+    # a layer's whole batch union must fit: smaller caches are raised to that floor
+    floor = max(np.unique(ids).size for step in trace for _, ids in step)
+    caps = [max(floor, int(frac * total)) for frac in SIZES]
+    rates: dict[str, list[float]] = {p: [] for p in POLICIES}
+    if history_from is not None:
+        rates["learned+history"] = []
+    rates["belady"] = []
+    for cap in caps:
+        for p in POLICIES:
+            h, n = simulate(make_policy(p, layers, n_experts, cap), trace, cap)
+            rates[p].append(h / n)
+        if history_from is not None:
+            prev = make_policy("learned", layers, n_experts, cap)
+            simulate(prev, history_from, cap)  # the previous run
+            assert isinstance(prev, Learned)
+            warm = make_policy("learned", layers, n_experts, cap, history=prev.history())
+            h, n = simulate(warm, trace, cap)
+            rates["learned+history"].append(h / n)
+        h, n = belady(trace, cap)
+        rates["belady"].append(h / n)
+    i10 = SIZES.index(0.10)
+    best = max(POLICIES, key=lambda p: rates[p][i10])
+    b10 = rates["belady"][i10]
+    return {"name": name, "kind": kind, "layers": len(layers), "experts": n_experts, "steps": st["steps"],
+            "capacity": caps,
+            "accesses": int(st["accesses"]), "mean_union": st["mean_union"], "hit_rate": rates,
+            "best_at_10": best, "best_over_belady_10": rates[best][i10] / b10 if b10 else 0.0,
+            "learned_minus_lru": [a - b for a, b in zip(rates["learned"], rates["lru"], strict=True)]}
+
+
+def _print(out: dict[str, Any]) -> None:
+    print("moetier bench cache: hit rate (demanded experts found in RAM) by cache size, % of all routed experts")
+    for r in out["traces"]:
+        print(f"\n{r['name']} ({r['kind']}): {r['layers']} layers x {r['experts']} experts, {r['steps']} steps, "
+              f"{r['accesses']} accesses, mean batch union {r['mean_union']:.1f}")
+        print(f"{'policy':<16}" + "".join(f"{int(s * 100):>8}%" for s in out["sizes"]))
+        print(f"{'(experts)':<16}" + "".join(f"{c:>9d}" for c in r["capacity"]))
+        for p, v in r["hit_rate"].items():
+            print(f"{p if p != 'belady' else 'belady (MIN)':<16}" + "".join(f"{x:>9.3f}" for x in v))
+        print(f"best at 10%: {r['best_at_10']}, {r['best_over_belady_10']:.3f} of Belady")
+    print(f"\nratio = best policy / Belady at 10% on {out['ratio_trace']}: {out['ratio']:.3f}"
+          f"   ({out['seconds']:.0f} s)")
