@@ -28,7 +28,7 @@ def test_partial_mirror_serves_only_valid_files(tmp_path: Path, index: ExpertInd
     shutil.copy(index.root / "layer-001.bin", m)
     with open(m / "layer-002.bin", "wb") as f:  # half-copied file: wrong size, not used
         f.write((index.root / "layer-002.bin").read_bytes()[:8192])
-    with IOEngine(index, depth=2, mirrors=[m]) as eng:
+    with IOEngine(index, depth=2, mirrors=[m], mirror_weights=[1.0, 1.0]) as eng:
         disk = Disk(eng)
         assert eng.stats().disks[1].files == 1
         keys = list(index.records)
@@ -61,8 +61,9 @@ def test_placement_is_deterministic_and_weighted(tmp_path: Path, index: ExpertIn
     assert picks[0] == picks[1]
     share = Counter(picks[0])["mirror0"] / len(picks[0])
     assert 0.6 < share < 0.9  # ~3/4 of the 48 records
-    with IOEngine(index, depth=2, mirrors=[tmp_path / "m"], probe=True) as eng:
-        assert all(d.weight > 0 for d in eng.stats().disks)
+    with IOEngine(index, depth=2, mirrors=[tmp_path / "m"]) as eng:  # weights probed at start-up
+        disks = eng.stats().disks
+        assert all(d.weight > 0 for d in disks) and disks[0].weight != 1.0
 
 
 def test_removing_a_mirror_while_reading_fails_no_read(tmp_path: Path, index: ExpertIndex) -> None:
@@ -72,7 +73,7 @@ def test_removing_a_mirror_while_reading_fails_no_read(tmp_path: Path, index: Ex
     errors: list[BaseException] = []
     reads = Counter[str]()
     stop = threading.Event()
-    with IOEngine(index, depth=4, mirrors=[m], reprobe_interval_s=0.05) as eng:
+    with IOEngine(index, depth=4, mirrors=[m], mirror_weights=[1.0, 1.0], reprobe_interval_s=0.05) as eng:
         disk = Disk(eng)
 
         def reader(seed: int) -> None:

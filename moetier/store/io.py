@@ -69,13 +69,14 @@ class IOEngine:
         depth: int = 8,
         direct: bool = True,
         mirror_weights: Sequence[float] | None = None,
-        probe: bool = False,
+        probe: bool = True,
         reprobe_interval_s: float = 10.0,
         free_buffers: int | None = None,
     ) -> None:
         """depth: worker threads = reads in flight at most. direct: O_DIRECT where possible
-        (False: buffered). mirror_weights: one per copy, primary first (else equal, or
-        probed when `probe`). free_buffers: pooled idle buffers kept (default depth + 2)."""
+        (False: buffered). mirror_weights: placement weights, one per copy, primary first;
+        without them, with mirrors, each copy's read bandwidth is probed at start-up (`probe`)
+        or all weigh the same. free_buffers: pooled idle buffers kept (default depth + 2)."""
         if depth < 1:
             raise InvalidArgument(f"I/O queue depth must be >= 1, got {depth}")
         self.index = index

@@ -441,6 +441,7 @@ class ExpertTier:
             if self._closed:
                 return
             self._closed = True
+            self._cond.notify_all()  # acquires waiting for room fail now, not at their deadline
         try:
             self.save_history()
         except OSError as e:
