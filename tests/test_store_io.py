@@ -188,3 +188,34 @@ async def test_async_api_and_cancelled_awaiter_does_not_cancel_shared_read(index
         async with tier.aacquire(2, np.array([[2, 3], [3, 4]])) as ex:
             assert sorted(ex) == [2, 3, 4]
         assert tier.stats().pinned_experts == 0
+
+
+def test_filesystem_refusing_o_direct_falls_back_to_buffered(
+        index: ExpertIndex, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+    import logging
+    import os
+
+    real_open = os.open
+
+    def no_direct(path: object, flags: int, *a: object) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with caplog.at_level(logging.WARNING), IOEngine(index, depth=1) as eng:
+        assert not eng.direct
+        assert bytes(eng.read([(2, 3)])[(2, 3)][:REC]) == file_bytes(index, (2, 3))
+    assert any("buffered reads" in r.getMessage() and "O_DIRECT" in r.getMessage() for r in caplog.records)
+
+
+def test_bench_io_without_fio_says_how_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    from moetier.cli import main
+
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    assert main(["bench", "io"]) != 0
+    assert "apt-get install -y fio" in capsys.readouterr().err
