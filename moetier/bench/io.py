@@ -50,7 +50,7 @@ def register(sub: Any) -> None:
                                    "(default: a synthetic record set)")
     p.add_argument("--depth", type=int, default=8, help="queue depth: reads in flight (default 8)")
     p.add_argument("--records", type=int, default=128, help="records read per pass (default 128)")
-    p.add_argument("--rounds", type=int, default=6, help="store/fio pass pairs, alternating order (default 6)")
+    p.add_argument("--rounds", type=int, default=10, help="store/fio pass pairs, alternating order (default 10)")
     p.add_argument("--record-bytes", type=int, default=4 << 20,
                    help="synthetic record size (default 4 MiB; ignored with --model)")
     p.add_argument("--set-records", type=int, default=256,
