@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from moetier.errors import InvalidArgument
 from moetier.store.index import ExpertKey
 
 Skip = Callable[[ExpertKey], bool]
@@ -205,7 +206,7 @@ class Learned(Policy):
         """capacity: experts the budget holds; the hot set takes up to `fraction` of it (None:
         adaptive). half_life: demand accesses after which a use counts half. counts: [L, E] history."""
         if fraction is not None and not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"learned policy fraction must be in [0, 1], got {fraction}")
+            raise InvalidArgument(f"learned policy fraction must be in [0, 1], got {fraction}")
         self.row = {layer: i for i, layer in enumerate(layers)}
         self.layers = tuple(layers)
         self.n_experts = n_experts
@@ -352,4 +353,4 @@ def make_policy(name: str, layers: Sequence[int], n_experts: int, capacity: int,
         return LFU()
     if name == "learned":
         return Learned(layers, n_experts, capacity, fraction=fraction, counts=history, half_life=half_life)
-    raise ValueError(f"unknown cache policy {name!r}; expected one of {POLICIES}")
+    raise InvalidArgument(f"unknown cache policy {name!r}; expected one of {', '.join(POLICIES)}")
