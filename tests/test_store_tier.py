@@ -238,3 +238,21 @@ def test_tiered_model_equals_in_memory_model(tmp_path: Path) -> None:
         s = experts.tier.stats()
         assert s.evictions > 0 and s.prefetch_hints > 0 and s.io is not None and s.io.checksum_failures == 0
     c.close()
+
+
+def test_record_that_does_not_parse_fails_only_its_acquires(tmp_path: Path) -> None:
+    from moetier.errors import FormatError
+
+    def parse(buf: np.ndarray) -> bytes:
+        if buf[0] == 0xAB:
+            raise ValueError("bad part header")
+        return bytes(buf)
+
+    index = records(tmp_path, fill=lambda k, rng: b"\xab" if k == (1, 2) else b"\x01", parse=parse)
+    with ExpertTier.open(index, TierConfig(budget_bytes=4 * REC), depth=1) as tier:
+        with pytest.raises(FormatError, match="layer 1 expert 2: record does not parse"), tier.acquire(1, [1, 2]):
+            pass
+        with tier.acquire(1, [1, 3]) as ex:
+            assert ex[1][:1] == b"\x01"
+        assert tier.stats().failed_loads == 1 and (1, 2) not in tier.resident()
+        tier.check_invariants()

@@ -233,8 +233,9 @@ class IOEngine:
             problems.append(f"{copy.name}: checksum mismatch")
             log.error("checksum mismatch: layer %d expert %d in %s at offset %d (%s)", key[0], key[1],
                       copy.root / loc.path, loc.offset, copy.name)
-        self.pool.reclaim(Holder(buf))
+        box = Holder(buf)
         del buf
+        self.pool.reclaim(box)
         where = f"layer {key[0]} expert {key[1]}: file {self.index.root / loc.path} offset {loc.offset}"
         if bad_checksum:
             with self._lock:

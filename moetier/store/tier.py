@@ -277,6 +277,7 @@ class ExpertTier:
         value: Any = None
         exc: BaseException | None = None
         buf: Buffer | None = None
+        rec: Buffer | None = None
         if fut.cancelled():
             exc = ResourceExhausted("prefetch read dropped")
         elif (exc := fut.exception()) is None:
@@ -312,8 +313,9 @@ class ExpertTier:
             return
         ready.set_exception(exc or Unavailable("read superseded"))
         if buf is not None:  # a parse failure: nobody got the record
-            del value
-            self.engine.reclaim(Holder(buf))
+            box = Holder(buf)
+            del buf, value, rec
+            self.engine.reclaim(box)
 
     def _skip(self, key: ExpertKey) -> bool:
         e = self._entries[key]
