@@ -69,17 +69,17 @@ static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 
 /* ---------------------------------------------------------------- portable path */
 
-static float f16_to_f32(uint16_t h) {
+static inline float f16_to_f32(uint16_t h) {
     /* exact: every float16 value is representable in float32 */
-    uint32_t e = (h >> 10) & 31u, m = h & 1023u;
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 1023u, bits;
     float v;
-    if (e == 31) {
-        uint32_t bits = ((uint32_t)(h & 0x8000u) << 16) | 0x7f800000u | (m << 13);
-        memcpy(&v, &bits, 4);
-        return v;
+    if (e == 0) { /* zero or subnormal: m * 2^-24, exact */
+        v = (float)m * 0x1p-24f;
+        return sign ? -v : v;
     }
-    v = e == 0 ? (float)m * 0x1p-24f : ldexpf((float)(m + 1024u), (int)e - 25);
-    return (h & 0x8000u) ? -v : v;
+    bits = sign | (e == 31 ? 0x7f800000u : (e + 112u) << 23) | (m << 13);
+    memcpy(&v, &bits, 4);
+    return v;
 }
 
 /* Dequantize row r into buf[0..cols): exactly the reference values. */
@@ -312,14 +312,43 @@ MT_AVX512 static void pv_avx512(int nh, const float *const *p, const float *v, i
  * become (n - 8) * scale with one vpermps through a 16-entry table. */
 #define MT_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c")))
 
+#ifndef MT_PREFETCH_BLOCKS
+#define MT_PREFETCH_BLOCKS 2 /* prefetch distance, in row blocks */
+#endif
+
+/* One 16-column chunk of row i at column c, dequantized in registers. `full` chunks are
+ * inside [0, C); the tail chunk is masked so columns >= C read as 0.0f (the contract). */
+MT_VBMI static inline __attribute__((always_inline)) __m512
+chunk_w(const int dtype, const uint8_t *rp, int64_t c, __m512 tab, __m512i ctrl, __mmask16 m, const int full) {
+    if (dtype == DT_F32) {
+        const float *p = (const float *)rp + c;
+        return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+    }
+    if (dtype == DT_BF16) {
+        const uint16_t *p = (const uint16_t *)rp + c;
+        __m256i h = full ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(m, p);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (dtype == DT_INT8) { /* g % 16 == 0: the stored (padded) row covers every chunk */
+        __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(rp + c))));
+        return full ? _mm512_mul_ps(q, tab) : _mm512_maskz_mul_ps(m, q, tab);
+    }
+    __m512i idx = _mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(*(const int64_t *)(rp + c / 2)));
+    return full ? _mm512_permutexvar_ps(idx, tab) : _mm512_maskz_permutexvar_ps(m, idx, tab);
+}
+
 MT_VBMI static inline __attribute__((always_inline)) void
 fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, const int64_t *rows,
          float out[TBMAX][RB]) {
-    const int64_t C = w->cols, n16 = round16(C);
+    const int64_t C = w->cols, cfull = C & ~(int64_t)15;
     const int quant = dtype == DT_INT8 || dtype == DT_INT4;
-    const int64_t gsz = quant ? w->g : n16;
-    const int64_t cols_per_line = dtype == DT_F32 ? 16 : dtype == DT_BF16 ? 32 : dtype == DT_INT8 ? 64 : 128;
-    const int64_t pfd = RB * w->row_bytes; /* prefetch the same place one row block ahead */
+    /* columns per step of the outer loop: one quantization group (one scale per row), or
+     * 64 columns for f32 / bf16; each step prefetches its bytes MT_PREFETCH_BLOCKS row
+     * blocks ahead. */
+    const int64_t step = quant ? w->g : 64;
+    const int64_t step_bytes = dtype == DT_F32 ? 4 * step : dtype == DT_BF16 ? 2 * step
+                             : dtype == DT_INT8 ? step : step / 2;
+    const int64_t pfd = MT_PREFETCH_BLOCKS * RB * w->row_bytes;
     const uint8_t *rp[RB];
     const uint16_t *sp[RB];
     for (int i = 0; i < RB; i++) {
@@ -330,53 +359,38 @@ fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, c
     const __m512i ctrl = _mm512_set_epi8(0, 0, 0, 60, 0, 0, 0, 56, 0, 0, 0, 52, 0, 0, 0, 48, 0, 0, 0, 44, 0, 0,
                                          0, 40, 0, 0, 0, 36, 0, 0, 0, 32, 0, 0, 0, 28, 0, 0, 0, 24, 0, 0, 0, 20,
                                          0, 0, 0, 16, 0, 0, 0, 12, 0, 0, 0, 8, 0, 0, 0, 4, 0, 0, 0, 0);
-    __m512 acc[TBMAX][RB];
+    __m512 acc[TBMAX][RB], tab[RB];
     for (int j = 0; j < tb; j++)
         for (int i = 0; i < RB; i++) acc[j][i] = _mm512_setzero_ps();
-    for (int64_t g0 = 0; g0 < n16; g0 += gsz) {
-        __m512 tab[RB];
+    for (int i = 0; i < RB; i++) tab[i] = _mm512_setzero_ps();
+    int64_t s0 = 0, k = 0;
+    for (; s0 < cfull; s0 += step, k++) {
         for (int i = 0; i < RB; i++) {
-            if (dtype == DT_INT4)
-                tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(f16_to_f32(sp[i][g0 / gsz])));
-            else if (dtype == DT_INT8)
-                tab[i] = _mm512_set1_ps(f16_to_f32(sp[i][g0 / gsz]));
-            else
-                tab[i] = _mm512_setzero_ps();
+            _mm_prefetch((const char *)rp[i] + k * step_bytes + pfd, _MM_HINT_T0);
+            if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(f16_to_f32(sp[i][k])));
+            if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(f16_to_f32(sp[i][k]));
         }
-        const int64_t gend = g0 + gsz < n16 ? g0 + gsz : n16;
-        for (int64_t c = g0; c < gend; c += 16) {
-            const __mmask16 m = C - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c)) - 1u);
-            const int pf = (c & (cols_per_line - 1)) == 0;
+        const int64_t s1 = s0 + step < cfull ? s0 + step : cfull;
+        for (int64_t c = s0; c < s1; c += 16) {
             __m512 wv[RB];
-            for (int i = 0; i < RB; i++) {
-                if (dtype == DT_F32) {
-                    const float *p = (const float *)rp[i] + c;
-                    if (pf) _mm_prefetch((const char *)p + pfd, _MM_HINT_T0);
-                    wv[i] = _mm512_maskz_loadu_ps(m, p);
-                } else if (dtype == DT_BF16) {
-                    const uint16_t *p = (const uint16_t *)rp[i] + c;
-                    if (pf) _mm_prefetch((const char *)p + pfd, _MM_HINT_T0);
-                    __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-                    wv[i] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-                } else if (dtype == DT_INT8) {
-                    /* g % 16 == 0: the stored row covers every chunk; mask the tail */
-                    const uint8_t *p = rp[i] + c;
-                    if (pf) _mm_prefetch((const char *)p + pfd, _MM_HINT_T0);
-                    __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-                    wv[i] = _mm512_maskz_mul_ps(m, _mm512_cvtepi32_ps(q), tab[i]);
-                } else {
-                    const uint8_t *p = rp[i] + c / 2;
-                    if (pf) _mm_prefetch((const char *)p + pfd, _MM_HINT_T0);
-                    int64_t packed;
-                    memcpy(&packed, p, 8);
-                    __m512i idx = _mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(packed));
-                    wv[i] = _mm512_maskz_permutexvar_ps(m, idx, tab[i]);
-                }
-            }
+            for (int i = 0; i < RB; i++) wv[i] = chunk_w(dtype, rp[i], c, tab[i], ctrl, 0, 1);
             for (int j = 0; j < tb; j++) {
-                __m512 xv = _mm512_maskz_loadu_ps(m, xr[j] + c);
+                __m512 xv = _mm512_loadu_ps(xr[j] + c);
                 for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
             }
+        }
+    }
+    if (cfull < C) { /* the tail chunk, in the group of column cfull */
+        const __mmask16 m = (__mmask16)((1u << (C - cfull)) - 1u);
+        for (int i = 0; i < RB; i++) {
+            if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(f16_to_f32(sp[i][cfull / step])));
+            if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(f16_to_f32(sp[i][cfull / step]));
+        }
+        __m512 wv[RB];
+        for (int i = 0; i < RB; i++) wv[i] = chunk_w(dtype, rp[i], cfull, tab[i], ctrl, m, 0);
+        for (int j = 0; j < tb; j++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, xr[j] + cfull);
+            for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
         }
     }
     for (int j = 0; j < tb; j++)
