@@ -21,6 +21,9 @@ def _run(args: argparse.Namespace) -> int:
         print("moetier synth: --preset and --out are required (or --list)")
         return 2
     out = Path(args.out)
+    if args.if_missing and (out / ("moetier.json" if args.format == "container" else "config.json")).exists():
+        print(f"{out} already holds a {args.format} checkpoint; left as it is (--if-missing)")
+        return 0
     if args.format == "hf":
         synth.write_hf_checkpoint(args.preset, out, args.seed, dtype=args.hf_dtype)
     else:
@@ -41,4 +44,6 @@ def register(sub: Any) -> None:
     p.add_argument("--group-size", type=int, default=64, help="container only")
     p.add_argument("--hf-dtype", choices=("bf16", "f32", "f16"), default="bf16", help="hf only")
     p.add_argument("--list", action="store_true", help="list presets and their sizes")
+    p.add_argument("--if-missing", action="store_true",
+                   help="do nothing when OUT already holds a complete checkpoint (for start-up scripts)")
     p.set_defaults(func=_run)

@@ -1,0 +1,213 @@
+"""`moetier up`: the four services as local processes, health-gated, stopped together.
+
+The services are started with the same commands docker-compose.yml runs
+(`moetier router`, `moetier expert-store`, `moetier dense-worker`, `moetier
+gateway`), configured the same way: one YAML file (`--config`) plus MOETIER_*
+environment variables. tests/test_compose.py holds the two in step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from moetier.errors import MoetierError, Unavailable
+from moetier.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DEMO_PRESET = "demo"
+# Start order; shutdown runs in reverse. Each name is also the settings section of its endpoint.
+SERVICES: tuple[str, ...] = ("router", "expert_store", "dense_worker", "gateway")
+COMMANDS: dict[str, list[str]] = {
+    "router": ["router"],
+    "expert_store": ["expert-store"],
+    "dense_worker": ["dense-worker"],
+    "gateway": ["gateway"],
+}
+
+
+@dataclass
+class ServiceSpec:
+    name: str
+    argv: list[str]  # arguments after the `moetier` executable
+    env: dict[str, str]  # MOETIER_* variables the service gets on top of the parent's environment
+    health: Callable[[], bool] = field(repr=False)
+
+
+def demo_model_dir(settings: Settings) -> Path:
+    return settings.data_path / "models" / DEMO_PRESET
+
+
+def ensure_model(settings: Settings, echo: Callable[[str], None] = print) -> Path:
+    """The container to serve: settings.model.path, else the demo model (built once)."""
+    if settings.model.path is not None:
+        path = settings.model.path.expanduser()
+        if not (path / "moetier.json").exists():
+            hint = " (a Hugging Face checkpoint? convert it first: moetier convert SRC OUT)" if (
+                path / "config.json").exists() else ""
+            raise MoetierError(f"{path} is not a moetier container: no moetier.json{hint}")
+        return path
+    path = demo_model_dir(settings)
+    if not (path / "moetier.json").exists():
+        from moetier.convert.synth import write_container
+
+        echo(f"moetier: building the demo model in {path} (once; a few seconds)")
+        write_container(DEMO_PRESET, path, 0, settings.model.experts, settings.model.dense, progress=True)
+    return path
+
+
+def grpc_healthy(address: str, timeout_s: float = 1.0) -> bool:
+    """True when the gRPC server at `address` reports SERVING (grpc.health.v1, overall status)."""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                     timeout=timeout_s)
+            return bool(r.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+def http_healthy(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return int(r.status) == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def gateway_url(settings: Settings) -> str:
+    host, _, port = settings.gateway.bind.rpartition(":")
+    host = "127.0.0.1" if host in ("", "0.0.0.0") else host
+    return f"http://{host}:{port}"
+
+
+def service_specs(settings: Settings, model_dir: Path, config: Path | None) -> list[ServiceSpec]:
+    """What `moetier up` starts. All services share one config file and one environment."""
+    env = {"MOETIER_MODEL__PATH": str(model_dir), "MOETIER_DATA_DIR": str(settings.data_path)}
+    extra = ["--config", str(config)] if config is not None else []
+    specs = []
+    for name in SERVICES:
+        if name == "gateway":
+            health = partial(http_healthy, gateway_url(settings) + "/health")
+        else:
+            health = partial(grpc_healthy, getattr(settings, name).address)
+        specs.append(ServiceSpec(name, [*COMMANDS[name], *extra], dict(env), health))
+    return specs
+
+
+class Supervisor:
+    """Owns the child processes: start in order, wait for health, stop in reverse."""
+
+    def __init__(self, log_dir: Path, echo: Callable[[str], None] = print) -> None:
+        self.log_dir = log_dir
+        self.echo = echo
+        self.procs: list[tuple[ServiceSpec, subprocess.Popen[bytes], Path]] = []
+        self._logs: list[IO[bytes]] = []
+
+    def start(self, spec: ServiceSpec) -> subprocess.Popen[bytes]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{spec.name}.log"
+        f = open(log_path, "ab")  # noqa: SIM115 -- owned by the supervisor, closed in stop_all
+        self._logs.append(f)
+        env = {**os.environ, **spec.env}
+        # A new session: a Ctrl-C in the terminal reaches only `moetier up`, which forwards it
+        # in shutdown order instead of every process getting it at once.
+        p = subprocess.Popen([sys.executable, "-m", "moetier.cli", *spec.argv], stdout=f,
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs.append((spec, p, log_path))
+        return p
+
+    def wait_healthy(self, spec: ServiceSpec, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise Unavailable(f"{spec.name} exited with code {proc.returncode} during start-up\n"
+                                  + self.tail(spec.name))
+            if spec.health():
+                return
+            time.sleep(0.2)
+        raise Unavailable(f"{spec.name} not healthy after {timeout_s:.0f} s\n" + self.tail(spec.name))
+
+    def tail(self, name: str, lines: int = 20) -> str:
+        path = self.log_dir / f"{name}.log"
+        try:
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"--- last lines of {path} ---\n" + "\n".join(text)
+
+    def dead(self) -> tuple[ServiceSpec, int] | None:
+        for spec, p, _ in self.procs:
+            if p.poll() is not None:
+                return spec, int(p.returncode)
+        return None
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        for spec, p, _ in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop within %.0f s; killing it", spec.name, grace_s)
+                    p.kill()
+                    p.wait()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+
+
+def run_cluster(settings: Settings, config: Path | None, *, start_timeout_s: float = 180.0,
+                echo: Callable[[str], None] = print, until: Callable[[], bool] | None = None) -> int:
+    """Start everything, wait for health, then supervise until a signal (or `until()` is true)."""
+    model_dir = ensure_model(settings, echo)
+    sup = Supervisor(settings.data_path / "logs", echo)
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for spec in service_specs(settings, model_dir, config):
+            proc = sup.start(spec)
+            sup.wait_healthy(spec, proc, start_timeout_s)
+            echo(f"moetier: {spec.name:<12} ready  (log: {sup.log_dir / (spec.name + '.log')})")
+            if stopping:
+                break
+        if not stopping:
+            url = gateway_url(settings)
+            name = settings.model.name or model_dir.name
+            echo(f"moetier is up: {url}/v1  (model {name!r}; dashboard {url}/dashboard)")
+            echo(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+                 f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
+            echo("Ctrl-C stops all services.")
+        while not stopping and not (until and until()):
+            dead = sup.dead()
+            if dead is not None:
+                spec, code = dead
+                echo(f"moetier: {spec.name} exited with code {code}; stopping the others\n" + sup.tail(spec.name))
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        echo("moetier: stopping")
+        sup.stop_all()
+        for s, h in old.items():
+            signal.signal(s, h)
