@@ -11,6 +11,8 @@ from fastapi import FastAPI
 
 from moetier.settings import Settings
 from services.gateway.api import Gateway, router
+from services.gateway.dashboard import Dashboard
+from services.gateway.dashboard import router as dashboard_router
 from services.gateway.errors import install_handlers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import APIKeyAuth, BodyLimit, StatusMetrics
@@ -26,10 +28,12 @@ def create_app(settings: Settings, *, model: ServedModel | None = None) -> FastA
     (`router.address`) is opened and closed by the app's lifespan."""
     served = model or ServedModel.from_dir(default_model_dir(settings), settings.model.name)
     gw = Gateway(settings=settings, model=served, metrics=GatewayMetrics())
+    dashboard = Dashboard(settings.router.address, gw.metrics, served.name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         gw.router = RouterClient(settings.router.address)
+        dashboard.open()
         log.info("serving model %s (context %d tokens) through the router at %s", served.name,
                  gw.context_limit, settings.router.address)
         try:
@@ -37,13 +41,16 @@ def create_app(settings: Settings, *, model: ServedModel | None = None) -> FastA
         finally:
             await gw.router.close()
             gw.router = None
+            await dashboard.close()
             log.info("gateway stopped")
 
     app = FastAPI(title="moetier gateway", version=version("moetier"), lifespan=lifespan,
                   description="OpenAI-compatible API of a moetier cluster.")
     app.state.gateway = gw
+    app.state.dashboard = dashboard
     install_handlers(app)
     app.include_router(router)
+    app.include_router(dashboard_router)
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(BodyLimit, max_bytes=settings.gateway.max_body_bytes)
     app.add_middleware(APIKeyAuth, api_key=settings.gateway.api_key)
