@@ -15,7 +15,7 @@ expert-store service. Modules:
 from moetier.store.index import ExpertIndex, ExpertKey, RecordLocation
 from moetier.store.io import DEMAND, PREFETCH, IOEngine
 from moetier.store.stats import DiskStats, HeatSnapshot, Histogram, IOStats, TierStats
-from moetier.store.tier import ExpertTier, Lease, TierConfig
+from moetier.store.tier import ExpertTier, HintOutcome, Lease, TierConfig
 
 __all__ = [
     "DEMAND",
@@ -25,6 +25,7 @@ __all__ = [
     "ExpertKey",
     "ExpertTier",
     "HeatSnapshot",
+    "HintOutcome",
     "Histogram",
     "IOEngine",
     "IOStats",

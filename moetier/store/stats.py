@@ -125,6 +125,8 @@ class TierStats:
     prefetch_useful: int = 0  # prefetched, then demanded
     prefetch_wasted: int = 0  # prefetched, then evicted unused
     prefetch_dropped: int = 0  # hints dropped: stale, superseded, over the bound, or no room
+    prefetch_useful_by_layer: dict[int, int] = field(default_factory=dict)  # prefetch_useful per layer
+    prefetch_wasted_by_layer: dict[int, int] = field(default_factory=dict)  # prefetch_wasted per layer
     miss_wait: Histogram = field(default_factory=Histogram)  # time an acquire waited for its reads
     io: IOStats | None = None
 

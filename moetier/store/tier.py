@@ -78,6 +78,15 @@ class _Entry:
     hint_step: int = 0
 
 
+@dataclass
+class HintOutcome:
+    """What became of one prefetch hint's experts."""
+
+    queued: int = 0  # reads started
+    present: int = 0  # already resident or being read
+    dropped: int = 0  # over the prefetch bound, or no room in the budget
+
+
 class Lease:
     """Experts pinned for one compute; `experts` maps expert id -> value. Release exactly once."""
 
@@ -123,7 +132,9 @@ class ExpertTier:
         self._uses = np.zeros((len(self.index.layers), self.index.n_experts), dtype=np.uint32)
         self._stats = TierStats(policy=config.policy, budget_bytes=self.budget,
                                 hits={layer: 0 for layer in self.index.layers},
-                                misses={layer: 0 for layer in self.index.layers})
+                                misses={layer: 0 for layer in self.index.layers},
+                                prefetch_useful_by_layer={layer: 0 for layer in self.index.layers},
+                                prefetch_wasted_by_layer={layer: 0 for layer in self.index.layers})
         self._closed = False
 
     @classmethod
@@ -144,9 +155,23 @@ class ExpertTier:
     @asynccontextmanager
     async def aacquire(self, layer: int, ids: IdsLike) -> AsyncIterator[dict[int, Any]]:
         """`acquire` for asyncio: reads and waits for room happen off the event loop."""
+        lease = await self.apin(layer, ids)
+        try:
+            yield lease.experts
+        finally:
+            lease.release()
+
+    async def apin(self, layer: int, ids: IdsLike) -> Lease:
+        """`pin` for asyncio; the caller must `release()` the lease. A cancelled caller
+        leaves nothing pinned, also when it is cancelled while waiting for room."""
         lease = self._begin(layer, ids, block=False)
         if lease is None:
-            lease = await asyncio.to_thread(self._begin, layer, ids, True)
+            waiting = asyncio.get_running_loop().run_in_executor(None, self._begin, layer, ids, True)
+            try:
+                lease = await asyncio.shield(waiting)
+            except asyncio.CancelledError:
+                waiting.add_done_callback(_release_when_done)
+                raise
         assert lease is not None
         try:
             t0 = time.perf_counter()
@@ -155,9 +180,10 @@ class ExpertTier:
                 if not e.ready.done():
                     await wait_future(e.ready)
             self._collect(lease, t0)
-            yield lease.experts
-        finally:
+        except BaseException:
             lease.release()
+            raise
+        return lease
 
     def pin(self, layer: int, ids: IdsLike) -> Lease:
         """Pin and load; the caller must `release()` the lease (prefer `acquire`)."""
@@ -242,6 +268,7 @@ class ExpertTier:
             else:
                 if e.prefetched and not e.used:
                     self._stats.prefetch_useful += 1
+                    self._stats.prefetch_useful_by_layer[layer] += 1
                 if e.loading:
                     self.engine.promote(k)  # a queued prefetch read moves ahead of other prefetches
                 else:
@@ -336,15 +363,20 @@ class ExpertTier:
         self._stats.evictions += 1
         if e.prefetched and not e.used:
             self._stats.prefetch_wasted += 1
+            self._stats.prefetch_wasted_by_layer[key[0]] += 1
         e.value = e.ready = None  # drop every reference of ours so the buffer can be recycled
         self.engine.reclaim(e)
 
     # ---- prefetch -------------------------------------------------------------------
     def prefetch(self, layer: int, ids: IdsLike) -> int:
         """Hint that `layer` will soon need `ids`; returns the reads queued."""
+        return self.hint(layer, ids).queued
+
+    def hint(self, layer: int, ids: IdsLike) -> HintOutcome:
+        """`prefetch`, telling what became of each hinted expert."""
         keys = self._keys(layer, ids)
         wanted = set(keys)
-        issued = 0
+        out = HintOutcome()
         with self._cond:
             self._check_open()
             for k in list(self._prefetching):
@@ -356,11 +388,13 @@ class ExpertTier:
                 if e is not None:
                     if e.loading and e.prefetched:
                         e.hint_step = self._step
+                    out.present += 1
                     continue
                 n = self.index.records[k].length
                 if (len(self._prefetching) >= self.config.prefetch_limit
                         or self._pinned_ready_bytes + self._loading_bytes + n > self.budget):
                     self._stats.prefetch_dropped += 1
+                    out.dropped += 1
                     continue
                 e = _Entry(k, n, prefetched=True, hint_step=self._step)
                 self._entries[k] = e
@@ -369,9 +403,9 @@ class ExpertTier:
                 self._make_room()
                 self.policy.insert(k)
                 self._stats.prefetch_issued += 1
-                issued += 1
+                out.queued += 1
                 self._start_read(e, PREFETCH)
-        return issued
+        return out
 
     def new_step(self) -> None:
         """A decode step began: queued prefetch reads older than prefetch_max_age are dropped."""
@@ -398,6 +432,8 @@ class ExpertTier:
                 hits=dict(s.hits), misses=dict(s.misses), evictions=s.evictions, failed_loads=s.failed_loads,
                 prefetch_hints=s.prefetch_hints, prefetch_issued=s.prefetch_issued,
                 prefetch_useful=s.prefetch_useful, prefetch_wasted=s.prefetch_wasted,
+                prefetch_useful_by_layer=dict(s.prefetch_useful_by_layer),
+                prefetch_wasted_by_layer=dict(s.prefetch_wasted_by_layer),
                 prefetch_dropped=s.prefetch_dropped, miss_wait=s.miss_wait.copy(),
             )
         out.io = self.engine.stats()
@@ -455,3 +491,9 @@ class ExpertTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _release_when_done(fut: asyncio.Future[Lease | None]) -> None:
+    """Release the lease a cancelled `apin` was still waiting for."""
+    if not fut.cancelled() and fut.exception() is None and (lease := fut.result()) is not None:
+        lease.release()
