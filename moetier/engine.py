@@ -1,0 +1,265 @@
+"""The in-process engine: one container served inside this process.
+
+    engine = Engine.open("models/demo", budget="25%")
+    for tok in engine.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32)):
+        ...
+    logits = engine.logits(ids)          # [T, V] teacher-forced
+    engine.close()
+
+The dense tensors are copied out of the container into RAM (resident: a decode step never
+waits on a page fault), the routed experts go through the RAM tier (`TieredExperts`) with a
+byte budget, and the forward pass runs on `FastOps` (or `ReferenceOps`, the oracle). This is
+what `moetier generate` and `moetier logits` run, and the reference the cluster is tested
+against: the dense worker runs the same Model on the same kernels with the experts computed
+by the expert store, so at temperature 0 both produce the same tokens.
+
+Kernel threads: one by default. FastOps' C kernels use OpenMP; on a machine whose cores
+are busy with other work, OpenMP threads that spin-wait for each other stall badly
+(measured on a 2-core machine under load, demo model: 30 tok/s with 1 thread, 1-3 tok/s
+with 2). More threads pay off only on a machine with idle cores; pass `threads` for that.
+The thread count never changes a result bit (the kernels are row- and thread-invariant).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from moetier.errors import InvalidArgument, ResourceExhausted
+from moetier.kernels.fast import FastOps
+from moetier.model.forward import Model
+from moetier.model.generate import GeneratedToken, generate, teacher_forced_logits
+from moetier.model.ops import Ops, ReferenceOps
+from moetier.model.sampling import SamplingParams
+from moetier.settings import Settings, resolve_budget
+from moetier.store.provider import TieredExperts
+from moetier.store.tier import TierConfig
+from moetier.text.tokenizer import TextTokenizer
+from moetier.weights.container import Container
+from moetier.weights.quant import QTensor
+
+log = logging.getLogger(__name__)
+
+F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
+
+DEFAULT_THREADS = 1  # see the module docstring
+DEMO_PRESET = "demo"
+DEMO_SEED = 0
+
+
+def load_dense(container: Container) -> dict[str, QTensor]:
+    """Every dense tensor of the container, copied from its memmap into process memory."""
+    out: dict[str, QTensor] = {}
+    for name in container.dense_names():
+        t = container.dense(name)
+        scales = None if t.scales is None else np.array(t.scales, order="C")
+        out[name] = QTensor(t.dtype, t.shape, np.array(t.data, order="C"), scales, t.group_size)
+    return out
+
+
+def make_ops(reference: bool = False, threads: int | None = None) -> Ops:
+    """FastOps with `threads` kernel threads (default DEFAULT_THREADS), or the reference."""
+    if reference:
+        return ReferenceOps()
+    return FastOps(threads=threads if threads is not None else DEFAULT_THREADS)
+
+
+class FittingExperts:
+    """TieredExperts for any budget: a step whose rows route to more experts than the tier can
+    hold at once is computed in consecutive row groups whose expert unions fit. The expert
+    kernels are row-invariant, so the split changes no bit of the result (only how often
+    experts are read)."""
+
+    def __init__(self, inner: TieredExperts) -> None:
+        self.inner = inner
+        self.capacity = inner.tier.capacity  # records the budget holds
+
+    def moe(self, layer: int, x: F32, ids: I32, weights: F32) -> F32:
+        """x [T, D], ids/weights [T, K] -> [T, D]."""
+        if len(np.unique(ids)) <= self.capacity:
+            return self.inner.moe(layer, x, ids, weights)
+        out = np.empty_like(x)  # [T, D]
+        for a, b in self._groups(layer, ids):
+            out[a:b] = self.inner.moe(layer, np.ascontiguousarray(x[a:b]), np.ascontiguousarray(ids[a:b]),
+                                      np.ascontiguousarray(weights[a:b]))
+        return out
+
+    def _groups(self, layer: int, ids: I32) -> Iterator[tuple[int, int]]:
+        start, union = 0, set[int]()
+        for t, row in enumerate(ids.tolist()):
+            need = set(row)
+            if len(need) > self.capacity:
+                raise ResourceExhausted(f"layer {layer}: one token routes to {len(need)} experts, more than the "
+                                        f"{self.capacity} the expert budget holds; raise the budget")
+            if len(union | need) > self.capacity:
+                yield start, t
+                start, union = t, set()
+            union |= need
+        yield start, len(ids)
+
+    def prefetch(self, layer: int, ids: I32) -> None:
+        self.inner.prefetch(layer, ids)
+
+
+class Engine:
+    """A container's model in this process: resident dense part, tiered experts, one Model."""
+
+    def __init__(self, container: Container, model: Model, experts: TieredExperts) -> None:
+        self.container = container
+        self.model = model
+        self.experts = experts
+        self._tokenizer: TextTokenizer | None = None
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, budget: str | int = "25%", reference: bool = False,
+             threads: int | None = None, policy: str = "lru", direct: bool = True) -> Engine:
+        """Open a container. `budget`: the expert RAM tier, bytes or a share of the expert bytes
+        ("25%", "2GiB", or an int)."""
+        container = Container.open(path)
+        try:
+            ops = make_ops(reference, threads)
+            budget_bytes = resolve_budget(str(budget), container.expert_bytes)
+            layer_bytes = container.args.n_routed_experts * container.layout.record_bytes
+            if budget_bytes < layer_bytes:
+                log.info("expert budget %d bytes holds less than one MoE layer's experts (%d bytes): large "
+                         "steps run their experts in row groups", budget_bytes, layer_bytes)
+            experts = TieredExperts.open(container, ops, TierConfig(budget_bytes=budget_bytes, policy=policy),
+                                         direct=direct)
+            model = Model(container.args, load_dense(container), ops, FittingExperts(experts))
+        except BaseException:
+            container.close()
+            raise
+        return cls(container, model, experts)
+
+    # ---- identity and text -----------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        return self.container.path
+
+    @property
+    def model_id(self) -> str:
+        """Identity of the container's expert index (what cluster members register with)."""
+        return self.container.index.identity
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = TextTokenizer.from_dir(self.path)
+        return self._tokenizer
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end a generation: generation_config.json (via the tokenizer files), else the model's."""
+        ids = self.tokenizer.eos_token_ids if (self.path / "tokenizer.json").is_file() else ()
+        return tuple(ids) or self.model.args.eos_token_ids
+
+    # ---- running -------------------------------------------------------------------------
+    def check_ids(self, ids: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.int64]:
+        a = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(a) == 0:
+            raise InvalidArgument("the prompt is empty")
+        vocab = self.model.args.vocab_size
+        if a.min() < 0 or a.max() >= vocab:
+            raise InvalidArgument(f"token ids must be in [0, {vocab}); got {int(a.min())}..{int(a.max())}")
+        return a
+
+    def generate(self, prompt: Sequence[int] | npt.NDArray[np.integer], params: SamplingParams,
+                 chunk_size: int | None = None) -> Iterator[GeneratedToken]:
+        """Generated tokens; the last carries its finish_reason. Stops at params.stop_token_ids
+        and, unless params.ignore_eos, at the model's eos ids."""
+        ids = self.check_ids(prompt)
+        limit = self.model.args.max_position_embeddings
+        if len(ids) + params.max_tokens > limit:
+            raise InvalidArgument(f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
+                                  f"model's {limit} positions")
+        return generate(self.model, ids, params, chunk_size=chunk_size)
+
+    def logits(self, ids: Sequence[int] | npt.NDArray[np.integer]) -> F32:
+        """Teacher-forced logits [T, V] float32 over `ids`."""
+        return teacher_forced_logits(self.model, self.check_ids(ids))
+
+    def expert_hit_rate(self) -> float:
+        """Share of demanded experts found in the RAM tier since the engine opened."""
+        return self.experts.tier.stats().hit_rate
+
+    def close(self) -> None:
+        self.experts.close()
+        self.container.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- the default model -----------------------------------------------------------------------
+def demo_model_dir(settings: Settings) -> Path:
+    return settings.data_path / "models" / DEMO_PRESET
+
+
+def ensure_demo_model(settings: Settings, say: bool = True) -> Path:
+    """The demo container under data_dir/models/demo, built once (into a temporary directory
+    renamed into place, so an interrupted build is never mistaken for a model)."""
+    target = demo_model_dir(settings)
+    if (target / "moetier.json").is_file():
+        return target
+    from moetier.convert.synth import write_container
+
+    if say:
+        print(f"building the demo model in {target} (once; a few seconds)", file=sys.stderr, flush=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{DEMO_PRESET}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_container(DEMO_PRESET, tmp, DEMO_SEED, settings.model.experts, settings.model.dense)
+        if target.exists() and not (target / "moetier.json").is_file():
+            shutil.rmtree(target)  # a directory left by an older, interrupted build
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "moetier.json").is_file():  # not merely another process winning the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def model_dir(settings: Settings, given: Path | None, say: bool = True) -> Path:
+    """--model, else settings model.path, else the demo model (built if missing)."""
+    if given is not None:
+        return given
+    if settings.model.path is not None:
+        return settings.model.path.expanduser()
+    return ensure_demo_model(settings, say)
+
+
+def parse_ids(text: str) -> list[int]:
+    """'1,2, 3' -> [1, 2, 3] (InvalidArgument naming the bad entry)."""
+    out = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise InvalidArgument(f"token id {part!r} is not an integer (expected e.g. 1,2,3)") from None
+    return out
+
+
+def expert_cache_spec(settings: Settings, flag: str | None) -> str:
+    return flag if flag is not None else settings.model.expert_cache
+
+
+def summarize(prompt_tokens: int, generated: int, seconds: float, hit_rate: float) -> str:
+    rate = generated / seconds if seconds > 0 else 0.0
+    return (f"prompt {prompt_tokens} tokens, generated {generated} tokens in {seconds:.2f} s "
+            f"({rate:.1f} tok/s), expert hit rate {100 * hit_rate:.1f}%")
+
