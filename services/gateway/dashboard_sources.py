@@ -106,6 +106,8 @@ class ClusterSource:
         return sorted(refs, key=lambda s: s.member_id)
 
     async def heat(self, store: StoreRef) -> StoreHeat:
+        if not store.address:
+            return StoreHeat(store, f"{store.member_id} registered without an address")
         ch = self._stores.get(store.address)
         if ch is None:
             ch = self._stores[store.address] = grpc.aio.insecure_channel(store.address)
