@@ -1,0 +1,101 @@
+"""Protobuf <-> expert store domain types: the one place where the two meet.
+
+Requests are checked here, against the served model's shape, before anything else sees
+them: a wrong request is an InvalidArgument naming the field and the problem, never an
+error from deep inside the tier or the kernels.
+
+Legend: T = rows, D = hidden, K = experts per row, E = experts per layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moetier.errors import InvalidArgument
+from moetier.rpc.tensors import from_pb, to_pb
+from moetier.rpc.v1 import expert_store_pb2 as pb
+from services.expert_store.core import (
+    ComputeBatch,
+    ComputeResult,
+    ModelShape,
+    PrefetchHint,
+    PrefetchResult,
+    StoreHeat,
+    StoreInfo,
+)
+
+
+def _check_layer(layer: int, shape: ModelShape) -> None:
+    if layer not in shape.moe_layers:
+        raise InvalidArgument(f"layer {layer} is not a MoE layer of this model (MoE layers: "
+                              f"{', '.join(str(x) for x in shape.moe_layers)})")
+
+
+def _check_ids(ids: np.ndarray, shape: ModelShape, what: str) -> None:
+    bad = (ids < 0) | (ids >= shape.n_experts)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise InvalidArgument(f"{what}: expert id {int(ids[at])} at {list(at)} is outside [0, {shape.n_experts})")
+
+
+def compute_from_pb(req: pb.ComputeExpertsRequest, shape: ModelShape) -> ComputeBatch:
+    _check_layer(req.layer, shape)
+    hidden = from_pb(req.hidden, "hidden", dtype="float32", ndim=2)  # [T, D]
+    ids = from_pb(req.expert_ids, "expert_ids", dtype="int32", ndim=2)  # [T, K]
+    weights = from_pb(req.weights, "weights", dtype="float32", ndim=2)  # [T, K]
+    t, d = hidden.shape
+    if t == 0:
+        raise InvalidArgument("hidden: empty batch (T = 0 rows)")
+    if d != shape.hidden_size:
+        raise InvalidArgument(f"hidden: rows of width {d}, the model's hidden size is {shape.hidden_size}")
+    if ids.shape[0] != t or weights.shape[0] != t:
+        raise InvalidArgument(f"row count mismatch: hidden has {t} rows, expert_ids {ids.shape[0]}, "
+                              f"weights {weights.shape[0]}")
+    if ids.shape[1] != weights.shape[1]:
+        raise InvalidArgument(f"K mismatch: expert_ids {list(ids.shape)} and weights {list(weights.shape)} "
+                              f"must have the same shape [T, K]")
+    if ids.shape[1] < 1:
+        raise InvalidArgument("expert_ids: K = 0 experts per row (need at least 1)")
+    _check_ids(ids, shape, "expert_ids")
+    for name, a in (("hidden", hidden), ("weights", weights)):
+        if not np.isfinite(a).all():
+            at = [int(i) for i in np.argwhere(~np.isfinite(a))[0]]
+            raise InvalidArgument(f"{name}: non-finite value {a[tuple(at)]} at {at}")
+    return ComputeBatch(layer=req.layer, hidden=hidden, ids=ids, weights=weights,
+                        step=req.step if req.HasField("step") else None)
+
+
+def compute_to_pb(r: ComputeResult) -> pb.ComputeExpertsResponse:
+    return pb.ComputeExpertsResponse(output=to_pb(r.output), hits=r.hits, misses=r.misses, load_ns=r.load_ns,
+                                     compute_ns=r.compute_ns)
+
+
+def prefetch_from_pb(req: pb.PrefetchRequest, shape: ModelShape) -> PrefetchHint:
+    _check_layer(req.layer, shape)
+    ids = np.asarray(req.expert_ids, dtype=np.int64)  # [n]
+    _check_ids(ids, shape, "expert_ids")
+    return PrefetchHint(layer=req.layer, ids=ids, step=req.step if req.HasField("step") else None)
+
+
+def prefetch_to_pb(r: PrefetchResult) -> pb.PrefetchResponse:
+    return pb.PrefetchResponse(queued=r.queued, resident=r.resident, dropped=r.dropped)
+
+
+def _disk_state(state: str, files: int) -> str:
+    return "absent" if state != "ok" and files == 0 else state
+
+
+def info_to_pb(info: StoreInfo) -> pb.InfoResponse:
+    s = info.shape
+    return pb.InfoResponse(
+        model_id=s.model_id, arch=s.arch, hidden_size=s.hidden_size, moe_layers=list(s.moe_layers),
+        n_experts=s.n_experts, top_k=s.top_k, record_bytes=s.record_bytes, budget_bytes=info.budget_bytes,
+        policy=info.policy, expert_dtype=s.expert_dtype, store_id=info.store_id,
+        disks=[pb.DiskInfo(name=d.name, path=d.path, state=_disk_state(d.state, d.files), weight=d.weight,
+                           files=d.files) for d in info.disks])
+
+
+def heat_to_pb(h: StoreHeat) -> pb.HeatResponse:
+    return pb.HeatResponse(moe_layers=list(h.layers), n_experts=h.counts.shape[1], counts=to_pb(h.counts),
+                           tier=to_pb(h.tier), recent=to_pb(h.recent), disks=h.disks,
+                           resident_bytes=h.resident_bytes, budget_bytes=h.budget_bytes, step=h.step)

@@ -1,0 +1,329 @@
+"""The expert store's domain: one container's routed experts behind a RAM tier, computed
+with the engine's kernels. No protobuf here (convert.py) and no gRPC (server.py).
+
+Legend: T = rows, D = hidden, K = experts per row, E = experts per layer, L = MoE layers.
+
+    core = StoreCore(settings)
+    await core.start()                      # kernels warmed, history saver running
+    result = await core.compute(batch)      # one MoE layer for a batch of rows
+    core.prefetch(hint); core.heat(); core.info()
+    await core.stop()                       # history saved, tier and container closed
+
+Every ComputeExperts ends in `FastOps.moe` over the experts the tier pinned, the same
+kernel the in-process provider (`TieredExperts`) calls, so the store's output is bit
+for bit the in-process engine's. Steps: callers send their step counter; a newer step
+ages queued prefetch reads (`ExpertTier.new_step`) and a hint for an older step than
+the latest seen is stale and dropped. With several callers the latest step is the
+largest any of them sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+import numpy.typing as npt
+
+from moetier.errors import InvalidArgument
+from moetier.kernels.fast import FastOps, default_threads, warmup
+from moetier.settings import Settings, resolve_budget
+from moetier.store.index import ExpertIndex
+from moetier.store.stats import HEAT_PINNED, HEAT_RAM, DiskStats, TierStats
+from moetier.store.tier import ExpertTier, Lease, TierConfig
+from moetier.weights.container import Container
+from moetier.weights.quant import ExpertWeights, QDType, quantize
+from services.expert_store.metrics import StoreMetrics
+
+log = logging.getLogger(__name__)
+
+F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
+
+HISTORY_FILE = "expert-history.json"  # the default documented in settings (cache.history_path)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What requests are checked against (from the container)."""
+
+    model_id: str  # identity of the expert index
+    arch: str
+    hidden_size: int  # D
+    moe_layers: tuple[int, ...]
+    n_experts: int  # E
+    top_k: int  # the model's K (requests may use any K >= 1)
+    record_bytes: int
+    expert_dtype: str
+
+
+@dataclass
+class ComputeBatch:
+    layer: int
+    hidden: F32  # [T, D]
+    ids: I32  # [T, K], each in [0, E)
+    weights: F32  # [T, K]
+    step: int | None = None
+
+
+@dataclass
+class ComputeResult:
+    output: F32  # [T, D]
+    hits: int  # experts of the batch union found in RAM
+    misses: int  # experts of the batch union read (or joined to a read in flight)
+    load_ns: int  # making the union resident
+    compute_ns: int  # the kernels
+
+
+@dataclass
+class PrefetchHint:
+    layer: int
+    ids: npt.NDArray[np.int64]  # [n] expert ids
+    step: int | None = None
+
+
+@dataclass
+class PrefetchResult:
+    queued: int
+    resident: int  # already resident or being read
+    dropped: int  # stale, prefetch disabled, over the bound or no room
+
+
+@dataclass
+class StoreInfo:
+    shape: ModelShape
+    budget_bytes: int
+    policy: str
+    disks: list[DiskStats]
+    store_id: str
+
+
+@dataclass
+class StoreHeat:
+    layers: tuple[int, ...]
+    counts: npt.NDArray[np.uint32]  # [L, E] (row, slot) pairs routed to each expert since start
+    tier: npt.NDArray[np.uint8]  # [L, E] 0 = RAM, 1 + d = only on disk d (the copy a read would use)
+    recent: npt.NDArray[np.uint8]  # [L, E] 1 = routed in the layer's latest ComputeExperts
+    disks: list[str]
+    resident_bytes: int
+    budget_bytes: int
+    step: int
+
+
+def kernel_threads() -> int:
+    """Kernel threads per call: the CPUs this process may use, less one for the event loop, gRPC
+    and the I/O workers. A kernel's thread team waits for its slowest member, so a team as wide as
+    the machine stalls whenever the store's own threads take a core: on 2 busy cores, 2 threads
+    gave 100-230 ms per call of a tiny model where 1 thread gave 0.2-0.4 ms, every call."""
+    return max(1, default_threads() - 1)
+
+
+def shape_of(container: Container) -> ModelShape:
+    a = container.args
+    return ModelShape(model_id=container.index.identity, arch=a.arch, hidden_size=a.hidden_size,
+                      moe_layers=tuple(a.moe_layer_ids), n_experts=a.n_routed_experts,
+                      top_k=a.num_experts_per_tok, record_bytes=container.layout.record_bytes,
+                      expert_dtype=str(container.quantization["experts"]))
+
+
+def tier_config(settings: Settings, expert_bytes: int) -> TierConfig:
+    """The tier's settings: budget (bytes or % of the expert bytes), policy, history, prefetch bound."""
+    cache = settings.cache
+    history = None
+    if cache.policy == "learned":
+        history = cache.history_path or settings.data_path / HISTORY_FILE
+    return TierConfig(budget_bytes=resolve_budget(settings.model.expert_cache, expert_bytes),
+                      policy=cache.policy, learned_fraction=cache.pin_fraction, history_path=history,
+                      prefetch_limit=settings.storage.prefetch_depth)
+
+
+class StoreCore:
+    def __init__(self, settings: Settings, *, threads: int | None = None,
+                 history_interval_s: float = 30.0) -> None:
+        """threads: kernel threads per call (default: `kernel_threads()`).
+        history_interval_s: how often the learned policy's usage history is saved."""
+        if settings.model.path is None:
+            raise InvalidArgument("the expert store needs a model directory (--model or model.path)")
+        st = settings.storage
+        if st.mirror_weights and len(st.mirror_weights) != 1 + len(st.mirrors):
+            raise InvalidArgument(f"storage.mirror_weights: {len(st.mirror_weights)} weights for the primary and "
+                                  f"{len(st.mirrors)} mirrors (need {1 + len(st.mirrors)})")
+        self.settings = settings
+        self.store_id = settings.expert_store.id
+        self.history_interval_s = history_interval_s
+        self.container = Container.open(settings.model.path)
+        try:
+            self.shape = shape_of(self.container)
+            config = tier_config(settings, self.container.expert_bytes)
+            if config.history_path is not None:
+                config.history_path.parent.mkdir(parents=True, exist_ok=True)
+            self.tier = ExpertTier.open(ExpertIndex.from_container(self.container), config, mirrors=st.mirrors,
+                                        depth=st.queue_depth, direct=st.direct_io,
+                                        mirror_weights=st.mirror_weights or None)
+        except BaseException:
+            self.container.close()
+            raise
+        self.ops = FastOps(threads=threads if threads is not None else kernel_threads())
+        # One compute thread: the kernels spread each call over `ops.threads` cores themselves;
+        # concurrent calls would only make their thread teams fight for the same cores.
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetier-compute")
+        self._row = {layer: i for i, layer in enumerate(self.shape.moe_layers)}
+        n_layers, n_experts = len(self.shape.moe_layers), self.shape.n_experts
+        self._counts = np.zeros((n_layers, n_experts), dtype=np.uint32)
+        self._recent = np.zeros((n_layers, n_experts), dtype=np.uint8)
+        self._step = 0
+        self._hints_refused = 0  # hinted experts dropped here: stale step or prefetch disabled
+        self._placement: tuple[tuple[object, ...], npt.NDArray[np.uint8]] | None = None
+        self._saver: asyncio.Task[None] | None = None
+        self.metrics = StoreMetrics(self.tier_stats, self.shape.moe_layers, config.policy)
+        log.info("expert store %s: %s (%s, %d MoE layers x %d experts, %d-byte records), budget %d bytes, "
+                 "policy %s, %d mirror(s), %s", self.store_id, settings.model.path, self.shape.arch,
+                 n_layers, n_experts, self.shape.record_bytes, self.tier.budget, config.policy, len(st.mirrors),
+                 self.ops)
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        """Warm the kernels (no first request pays for it) and start saving usage history."""
+        t0 = time.perf_counter()
+        await asyncio.get_running_loop().run_in_executor(self._compute, self._warm)
+        log.info("kernels warm (%s) in %.2f s", self.ops, time.perf_counter() - t0)
+        if self.tier.config.history_path is not None and self._saver is None:
+            self._saver = asyncio.get_running_loop().create_task(self._save_history_periodically(),
+                                                                  name="expert-history-saver")
+
+    def _warm(self) -> None:
+        """On the compute thread: every kernel once, then a MoE call through this store's ops in
+        the model's expert dtype (the kernels' thread team starts here, not on a request)."""
+        warmup()
+        rng = np.random.default_rng(0)
+        g = int(self.container.quantization["group_size"])
+        dtype = cast(QDType, self.shape.expert_dtype)
+        d = 2 * g  # [I, D] = [8, 2g]: tiny, but the model's dtype and group size
+        ew = ExpertWeights(*(quantize(rng.standard_normal(s, dtype=np.float32), dtype, g)
+                             for s in ((8, d), (8, d), (d, 8))))
+        x = rng.standard_normal((2, d), dtype=np.float32)
+        self.ops.moe(x, np.zeros((2, 1), dtype=np.int32), np.ones((2, 1), dtype=np.float32), {0: ew})
+
+    async def stop(self) -> None:
+        """Stop the saver, finish running computes, close the tier (saving history) and the container."""
+        if self._saver is not None:
+            self._saver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._saver
+            self._saver = None
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        """Synchronous part of `stop` (also for a store that never started)."""
+        self._compute.shutdown(wait=True)
+        self.tier.close()
+        self.container.close()
+
+    async def _save_history_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.history_interval_s)
+            try:
+                await asyncio.to_thread(self.tier.save_history)
+            except OSError as e:
+                log.warning("could not save usage history to %s: %s", self.tier.config.history_path, e)
+
+    # ---- requests -------------------------------------------------------------------
+    async def compute(self, batch: ComputeBatch) -> ComputeResult:
+        """One MoE layer for a batch: the union of its experts pinned (misses read together),
+        then the kernels on the compute thread. The batch was checked against `shape`."""
+        self._note_step(batch.step)
+        self._note_routing(batch.layer, batch.ids)
+        t0 = time.perf_counter_ns()
+        lease = await self.tier.apin(batch.layer, batch.ids)
+        load_ns = time.perf_counter_ns() - t0
+        output, compute_ns = await self._run_kernels(batch, lease)
+        self.metrics.observe_compute(batch.layer, batch.hidden.shape[0], load_ns, compute_ns)
+        misses = lease.misses
+        return ComputeResult(output, len(lease.entries) - misses, misses, load_ns, compute_ns)
+
+    async def _run_kernels(self, batch: ComputeBatch, lease: Lease) -> tuple[F32, int]:
+        def job() -> tuple[F32, int]:
+            try:
+                t = time.perf_counter_ns()
+                y = self.ops.moe(batch.hidden, batch.ids, batch.weights, lease.experts)  # [T, D]
+                return y, time.perf_counter_ns() - t
+            finally:
+                lease.release()  # here, not in the caller: a cancelled caller must not unpin under the kernel
+
+        fut = self._compute.submit(job)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled():  # never started: nobody else will release
+                lease.release()
+            raise
+
+    def prefetch(self, hint: PrefetchHint) -> PrefetchResult:
+        n = len(np.unique(hint.ids))
+        stale = hint.step is not None and hint.step < self._step
+        if stale or not self.settings.storage.prefetch:
+            self._hints_refused += n
+            return PrefetchResult(queued=0, resident=0, dropped=n)
+        self._note_step(hint.step)
+        out = self.tier.hint(hint.layer, hint.ids)
+        return PrefetchResult(queued=out.queued, resident=out.present, dropped=out.dropped)
+
+    def _note_step(self, step: int | None) -> None:
+        if step is None or step <= self._step:
+            return
+        # each step ages queued prefetch reads; past prefetch_max_age more steps change nothing
+        for _ in range(min(step - self._step, self.tier.config.prefetch_max_age + 1)):
+            self.tier.new_step()
+        self._step = step
+
+    def _note_routing(self, layer: int, ids: I32) -> None:
+        row = self._row[layer]
+        flat = ids.reshape(-1)
+        self._counts[row] += np.bincount(flat, minlength=self.shape.n_experts).astype(np.uint32)
+        self._recent[row] = 0
+        self._recent[row, flat] = 1
+
+    # ---- observation ----------------------------------------------------------------
+    def tier_stats(self) -> TierStats:
+        """The tier's stats, with the hints this layer dropped (stale, prefetch off) counted in."""
+        s = self.tier.stats()
+        s.prefetch_hints += self._hints_refused
+        s.prefetch_dropped += self._hints_refused
+        return s
+
+    def info(self) -> StoreInfo:
+        return StoreInfo(self.shape, self.tier.budget, self.tier.config.policy, self.tier.engine.stats().disks,
+                         self.store_id)
+
+    async def aheat(self) -> StoreHeat:
+        # off the event loop: placing every expert of a large model takes a while the first time
+        return await asyncio.to_thread(self.heat)
+
+    def heat(self) -> StoreHeat:
+        state = self.tier.heat().state  # [L, E]; an expert being read is still on disk
+        in_ram = (state == HEAT_RAM) | (state == HEAT_PINNED)
+        tier = np.where(in_ram, 0, 1 + self._placement_map()).astype(np.uint8)
+        stats = self.tier.stats()
+        return StoreHeat(self.shape.moe_layers, self._counts.copy(), tier, self._recent.copy(),
+                         [d.name for d in stats.io.disks] if stats.io else [], stats.resident_bytes,
+                         stats.budget_bytes, self._step)
+
+    def _placement_map(self) -> npt.NDArray[np.uint8]:
+        """[L, E] index of the copy the next read of each expert would try first; recomputed
+        only when a copy's health, weight or files change."""
+        copies = self.tier.engine.copies
+        key = tuple((c.stats.state, c.stats.weight, c.stats.files) for c in copies.copies)
+        if self._placement is not None and self._placement[0] == key:
+            return self._placement[1]
+        where = np.zeros((len(self.shape.moe_layers), self.shape.n_experts), dtype=np.uint8)
+        if len(copies.copies) > 1:
+            position = {id(c): i for i, c in enumerate(copies.copies)}
+            for (layer, expert), loc in self.tier.index.records.items():
+                where[self._row[layer], expert] = position[id(copies.order((layer, expert), loc)[0])]
+        self._placement = (key, where)
+        return where
