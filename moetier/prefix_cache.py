@@ -1,0 +1,494 @@
+"""The prefix cache: KV of finished sequences, kept in memory and on disk, reused by later
+prompts that extend them (multi-turn conversations, shared system prompts).
+
+    cache = PrefixCache(args, model_id, kv_identity, directory, budget_bytes)
+    kv, n = cache.lookup(prompt_ids)   # KVCache holding the first n prompt tokens (n % block == 0), or (None, 0)
+    cache.insert(kv)                   # remember a sequence's KV (its complete blocks)
+    cache.hashes()                     # block hashes of every cached prefix (router affinity)
+    cache.close()                      # waits for pending disk writes
+
+Granularity: blocks of `block` tokens (moetier.prefix.BLOCK). An entry holds the KV of a
+whole number of blocks and answers for every block prefix of itself: its chained block
+hashes all point at it. A lookup never returns the whole prompt: at least the last prompt
+token is left to prefill, because its logits choose the first generated token.
+
+Identity: block hashes are `moetier.prefix.block_hashes(ids, block, model_id)` with the
+model id the worker registers (the router hashes prompts the same way). A file also
+carries `kv_identity`, which covers everything the KV bits depend on (dense weights,
+expert index, model shape); a file of another identity is ignored.
+
+Memory and disk share one budget (`budget_bytes`): at most that many bytes of entries in
+memory, and as many in files; the least recently used go first. A new entry is written
+to disk by a background thread (never on the step's critical path); a file that is torn,
+truncated or fails its checksum is logged, removed and never used.
+
+File format (one file per entry, `<last block hash, 16 hex digits>.kv`), little endian:
+
+    0   8 bytes   magic b"MTPFXKV1"
+    8   u64       H: header length
+    16  u64       P: payload length
+    24  u64       xxh3_64 over the header bytes followed by the payload bytes
+    32  H bytes   header: canonical JSON (see `_header`), zero-padded to a multiple of 64
+    ..  P bytes   payload: the arrays named in the header, each at its offset (64-aligned),
+                  "tokens" int32 [n] then "layers.{i}.{name}" float32 [n, ...] per layer
+
+Written to a temporary file in the same directory, fsynced, renamed into place, then the
+directory is fsynced: a reader sees a whole file or none. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import xxhash
+
+from moetier.errors import FormatError
+from moetier.model.config import ModelArgs
+from moetier.model.kv_cache import KVCache, cache_layout
+from moetier.prefix import BLOCK, block_hashes
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MTPFXKV1"
+FORMAT = "moetier-prefix-kv"
+VERSION = 1
+SUFFIX = ".kv"
+_PRE = struct.Struct("<8sQQQ")  # magic, header length, payload length, checksum
+ALIGN = 64
+STALE_TMP_S = 600.0  # a temporary file this old is a dead writer's
+
+Arrays = dict[str, np.ndarray]
+
+
+def kv_identity(container_files: dict[str, Any], index_identity: str, args: ModelArgs) -> str:
+    """What a KV entry's bits depend on: the dense files, the expert index and the model shape."""
+    dense = {k: v for k, v in sorted(container_files.items()) if k.startswith("dense/")}
+    obj = {"dense": dense, "experts": index_identity, "model": args.to_dict(), "kv_dtype": "float32"}
+    return xxhash.xxh3_64_hexdigest(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode())
+
+
+class _Foreign(FormatError):
+    """A well-formed file of another model (a shared directory): left alone."""
+
+
+def _pad(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: int  # hash of its last block
+    hashes: list[int]  # chained block hashes of its tokens
+    nbytes: int  # payload bytes (tokens + KV)
+    arrays: Arrays | None = None  # in memory (None: on disk only)
+    on_disk: bool = False
+    writing: Future[None] | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.hashes) * BLOCK
+
+
+@dataclass
+class PrefixStats:
+    entries: int = 0
+    memory_bytes: int = 0
+    disk_bytes: int = 0
+    lookups: int = 0
+    query_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # of those, served from the cache
+    inserts: int = 0
+    evictions: int = 0
+    files_written: int = 0
+    files_rejected: int = 0  # torn, corrupt or foreign files ignored
+    write_errors: int = 0
+    by_source: dict[str, int] = field(default_factory=lambda: {"memory": 0, "disk": 0})  # hit tokens
+
+
+class PrefixCache:
+    def __init__(self, args: ModelArgs, model_id: str, identity: str, directory: Path | None,
+                 budget_bytes: int, *, block: int = BLOCK) -> None:
+        if block != BLOCK:
+            raise ValueError(f"prefix cache blocks are {BLOCK} tokens (moetier.prefix.BLOCK), not {block}")
+        self.args = args
+        self.model_id = model_id
+        self.identity = identity
+        self.directory = directory
+        self.budget = int(budget_bytes)
+        self.layout = {k: list(v) for k, v in cache_layout(args).items()}
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._index: dict[int, dict[int, int]] = {}  # block hash -> {entry key: blocks}
+        self._stats = PrefixStats()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-cache-writer")
+        self._tmp = count()
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._scan()
+
+    # ---- lookup ----------------------------------------------------------------------
+    def lookup(self, ids: Sequence[int] | npt.NDArray[np.integer]) -> tuple[KVCache | None, int]:
+        """The longest cached block prefix of ids[:-1]: (a fresh KVCache of it, its tokens)."""
+        arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+        usable = (len(arr) - 1) // BLOCK
+        hashes = block_hashes(arr[: usable * BLOCK], BLOCK, self.model_id) if usable > 0 else []
+        with self._lock:
+            self._stats.lookups += 1
+            self._stats.query_tokens += len(arr)
+        for k in range(len(hashes), 0, -1):
+            found = self._load(hashes[k - 1], k, arr)
+            if found is not None:
+                kv, source = found
+                with self._lock:
+                    self._stats.hit_tokens += k * BLOCK
+                    self._stats.by_source[source] += k * BLOCK
+                return kv, k * BLOCK
+        return None, 0
+
+    def _load(self, h: int, blocks: int, ids: npt.NDArray[np.int64]) -> tuple[KVCache, str] | None:
+        n = blocks * BLOCK
+        while True:
+            with self._lock:
+                holders = self._index.get(h)
+                if not holders:
+                    return None
+                # prefer an entry held in memory
+                key = max(holders, key=lambda k: self._entries[k].arrays is not None)
+                entry = self._entries[key]
+                self._entries.move_to_end(key)
+                arrays = entry.arrays
+            source = "memory"
+            if arrays is None:
+                source = "disk"
+                arrays = self._read(entry)
+                if arrays is None:
+                    continue  # rejected and dropped: try another holder of this hash
+                with self._lock:
+                    if key in self._entries:
+                        entry.arrays = arrays
+                        self._trim_memory()
+            if not np.array_equal(arrays["tokens"][:n], ids[:n]):
+                log.warning("prefix cache: hash collision on block hash %016x; not used", h)
+                return None
+            part = {name: a[:n] for name, a in arrays.items()}
+            return KVCache.from_arrays(self.args, part), source
+
+    # ---- insert ----------------------------------------------------------------------
+    def insert(self, kv: KVCache) -> int:
+        """Remember the complete blocks of a sequence's KV; returns the tokens kept (0: none)."""
+        n = (kv.length // BLOCK) * BLOCK
+        if n == 0:
+            return 0
+        arrays = {name: a[:n] for name, a in kv.to_arrays().items()}
+        hashes = block_hashes(arrays["tokens"], BLOCK, self.model_id)
+        nbytes = sum(a.nbytes for a in arrays.values())
+        if nbytes > self.budget:
+            return 0
+        key = hashes[-1]
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return n
+            # entries that are prefixes of this one are answered by it from now on
+            for h in hashes[:-1]:
+                if h in self._entries:
+                    self._drop(self._entries[h], "superseded")
+            entry = _Entry(key, hashes, nbytes, arrays=arrays)
+            self._add(entry)
+            self._stats.inserts += 1
+            if self.directory is not None:
+                entry.writing = self._writer.submit(self._write, entry)
+            self._trim_memory()
+            self._trim_disk()
+        return n
+
+    # ---- reporting -------------------------------------------------------------------
+    def hashes(self, limit: int = 8192) -> list[int]:
+        """Block hashes of the cached prefixes, most recently used entries first."""
+        out: list[int] = []
+        seen: set[int] = set()
+        with self._lock:
+            for entry in reversed(self._entries.values()):
+                for h in entry.hashes:
+                    if h not in seen:
+                        seen.add(h)
+                        out.append(h)
+                if len(out) >= limit:
+                    return out[:limit]
+        return out
+
+    def stats(self) -> PrefixStats:
+        with self._lock:
+            s = self._stats
+            return PrefixStats(len(self._entries), sum(e.nbytes for e in self._entries.values() if e.arrays is not None),
+                               sum(e.nbytes for e in self._entries.values() if e.on_disk), s.lookups,
+                               s.query_tokens, s.hit_tokens, s.inserts, s.evictions, s.files_written,
+                               s.files_rejected, s.write_errors, dict(s.by_source))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait for the disk writes queued so far."""
+        with self._lock:
+            pending = [e.writing for e in self._entries.values() if e.writing is not None]
+        for f in pending:
+            with contextlib.suppress(Exception):  # a failed write is counted and logged by the writer
+                f.result(timeout)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        self.flush(timeout)
+        self._writer.shutdown(wait=True, cancel_futures=True)
+
+    # ---- bookkeeping (under the lock) -------------------------------------------------
+    def _add(self, entry: _Entry) -> None:
+        self._entries[entry.key] = entry
+        for i, h in enumerate(entry.hashes):
+            self._index.setdefault(h, {})[entry.key] = i + 1
+
+    def _drop(self, entry: _Entry, why: str) -> None:
+        if self._entries.pop(entry.key, None) is None:
+            return
+        for h in entry.hashes:
+            holders = self._index.get(h)
+            if holders is not None:
+                holders.pop(entry.key, None)
+                if not holders:
+                    del self._index[h]
+        if why == "evicted":
+            self._stats.evictions += 1
+        entry.arrays = None
+        if self.directory is not None:
+            if entry.writing is not None and not entry.writing.done():
+                entry.writing.cancel()
+            path = self._path(entry.key)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as e:
+                log.warning("prefix cache: cannot remove %s: %s", path, e)
+        entry.on_disk = False
+        log.debug("prefix cache: %s entry %016x (%d tokens)", why, entry.key, entry.tokens)
+
+    def _trim_memory(self) -> None:
+        held = sum(e.nbytes for e in self._entries.values() if e.arrays is not None)
+        for e in list(self._entries.values()):
+            if held <= self.budget:
+                break
+            if e.arrays is None:
+                continue
+            held -= e.nbytes
+            if e.on_disk:
+                e.arrays = None  # still answered from its file
+            else:
+                self._drop(e, "evicted")
+
+    def _trim_disk(self) -> None:
+        def stored(e: _Entry) -> bool:
+            return e.on_disk or (e.writing is not None and not e.writing.done())
+
+        held = sum(e.nbytes for e in self._entries.values() if stored(e))
+        for e in list(self._entries.values()):
+            if held <= self.budget:
+                break
+            if stored(e):
+                held -= e.nbytes
+                self._drop(e, "evicted")
+
+    # ---- files -----------------------------------------------------------------------
+    def _path(self, key: int) -> Path:
+        assert self.directory is not None
+        return self.directory / f"{key:016x}{SUFFIX}"
+
+    def _header(self, entry: _Entry, arrays: Arrays) -> tuple[bytes, list[tuple[int, np.ndarray]]]:
+        specs, parts, offset = [], [], 0
+        for name, a in arrays.items():
+            a = np.ascontiguousarray(a)
+            specs.append({"name": name, "dtype": a.dtype.str, "shape": list(a.shape), "offset": offset,
+                          "nbytes": a.nbytes})
+            parts.append((offset, a))
+            offset = _pad(offset + a.nbytes)
+        header = {"format": FORMAT, "version": VERSION, "model_id": self.model_id, "kv_identity": self.identity,
+                  "block": BLOCK, "tokens": entry.tokens, "hashes": [f"{h:016x}" for h in entry.hashes],
+                  "layout": self.layout, "num_layers": self.args.num_layers, "arrays": specs}
+        raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        return raw + b"\0" * (_pad(_PRE.size + len(raw)) - _PRE.size - len(raw)), parts
+
+    def _write(self, entry: _Entry) -> None:
+        assert self.directory is not None
+        arrays = entry.arrays
+        if arrays is None:
+            return  # dropped before its turn
+        header, parts = self._header(entry, arrays)
+        plen = _pad(parts[-1][0] + parts[-1][1].nbytes)
+        h = xxhash.xxh3_64()
+        h.update(header)
+        pieces: list[bytes | memoryview] = []
+        pos = 0
+        for offset, a in parts:
+            if offset > pos:
+                pieces.append(bytes(offset - pos))
+            pieces.append(memoryview(a.view(np.uint8).reshape(-1)))  # type: ignore[arg-type]
+            pos = offset + a.nbytes
+        pieces.append(bytes(plen - pos))
+        for piece in pieces:
+            h.update(piece)
+        final = self._path(entry.key)
+        tmp = self.directory / f".{final.name}.{os.getpid()}.{next(self._tmp)}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_PRE.pack(MAGIC, len(header), plen, h.intdigest()))
+                f.write(header)
+                for piece in pieces:
+                    f.write(piece)
+                f.flush()
+                os.fsync(f.fileno())
+            with self._lock:
+                if self._entries.get(entry.key) is not entry:
+                    tmp.unlink(missing_ok=True)  # dropped while being written
+                    return
+                os.replace(tmp, final)
+                entry.on_disk = True
+                self._stats.files_written += 1
+            fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            with self._lock:
+                self._stats.write_errors += 1
+            log.warning("prefix cache: writing %s failed: %s", final, e)
+            tmp.unlink(missing_ok=True)
+
+    def _reject(self, path: Path, why: str) -> None:
+        with self._lock:
+            self._stats.files_rejected += 1
+        log.warning("prefix cache: ignoring %s: %s (removed)", path, why)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+
+    def _read_header(self, path: Path) -> tuple[dict[str, Any], bytes, int, int, int]:
+        """(header, raw header bytes, payload length, checksum, file size) or FormatError."""
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            pre = f.read(_PRE.size)
+            if len(pre) != _PRE.size:
+                raise FormatError(f"{size} bytes, shorter than the {_PRE.size}-byte preamble")
+            magic, hlen, plen, checksum = _PRE.unpack(pre)
+            if magic != MAGIC:
+                raise FormatError(f"magic {magic!r} is not {MAGIC!r}")
+            if size != _PRE.size + hlen + plen:
+                raise FormatError(f"{size} bytes where the preamble says {_PRE.size + hlen + plen} (torn write?)")
+            raw = f.read(hlen)
+        try:
+            header = json.loads(raw.rstrip(b"\0"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise FormatError(f"header is not JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise FormatError("header is not a JSON object")
+        if header.get("format") != FORMAT or header.get("version") != VERSION:
+            raise FormatError(f"format {header.get('format')!r} version {header.get('version')!r} is not "
+                              f"{FORMAT!r} version {VERSION}")
+        if header.get("model_id") != self.model_id or header.get("kv_identity") != self.identity:
+            raise _Foreign(f"KV of model {header.get('model_id')!r} ({header.get('kv_identity')!r})")
+        want = {"block": BLOCK, "layout": self.layout, "num_layers": self.args.num_layers}
+        for k, v in want.items():
+            if header.get(k) != v:
+                raise FormatError(f"header {k} is {header.get(k)!r}, this model needs {v!r}")
+        return header, raw, plen, checksum, size
+
+    def _scan(self) -> None:
+        """Index the files of a previous run (headers only; payloads are checked when read)."""
+        assert self.directory is not None
+        found = []
+        for path in self.directory.iterdir():
+            if path.name.endswith(".tmp"):
+                # an interrupted write (a young one may be another worker's, sharing the directory)
+                with contextlib.suppress(OSError):
+                    if time.time() - path.stat().st_mtime > STALE_TMP_S:
+                        path.unlink()
+                continue
+            if path.suffix != SUFFIX:
+                continue
+            try:
+                header, _, plen, _, _ = self._read_header(path)
+            except _Foreign as e:
+                log.info("prefix cache: skipping %s: %s, not this worker's", path, e)
+                continue
+            except (FormatError, OSError) as e:
+                self._reject(path, str(e))
+                continue
+            try:
+                hashes = [int(h, 16) for h in header["hashes"]]
+                if not hashes or path.name != f"{hashes[-1]:016x}{SUFFIX}" or header["tokens"] != len(hashes) * BLOCK:
+                    raise FormatError("name, hashes and token count disagree")
+            except (FormatError, OSError, KeyError, TypeError, ValueError) as e:
+                self._reject(path, str(e))
+                continue
+            found.append((path.stat().st_mtime, _Entry(hashes[-1], hashes, plen, on_disk=True)))
+        with self._lock:
+            for _, entry in sorted(found, key=lambda x: x[0]):  # oldest first = least recently used
+                if entry.key not in self._entries:
+                    self._add(entry)
+            self._trim_disk()
+        if found:
+            log.info("prefix cache: %d entries (%d tokens) from %s", len(self._entries),
+                     sum(e.tokens for e in self._entries.values()), self.directory)
+
+    def _read(self, entry: _Entry) -> Arrays | None:
+        """The entry's arrays from its file, verified; None (file rejected, entry dropped) if bad."""
+        path = self._path(entry.key)
+        try:
+            header, raw, plen, checksum, _ = self._read_header(path)
+            with open(path, "rb") as f:
+                f.seek(_PRE.size + len(raw))
+                payload = f.read(plen)
+            if len(payload) != plen:
+                raise FormatError("short read")
+            h = xxhash.xxh3_64()
+            h.update(raw)
+            h.update(payload)
+            if h.intdigest() != checksum:
+                raise FormatError("checksum mismatch")
+            arrays = self._arrays(header, payload)
+            if block_hashes(arrays["tokens"], BLOCK, self.model_id) != entry.hashes:
+                raise FormatError("tokens do not hash to the header's block hashes")
+            return arrays
+        except (FormatError, OSError, KeyError, TypeError, ValueError) as e:
+            with self._lock:
+                self._drop(entry, "rejected")
+            self._reject(path, str(e))
+            return None
+
+    def _arrays(self, header: dict[str, Any], payload: bytes) -> Arrays:
+        n = int(header["tokens"])
+        want = {"tokens": ("<i4", [n])}
+        for i in range(self.args.num_layers):
+            for name, shape in self.layout.items():
+                want[f"layers.{i}.{name}"] = ("<f4", [n, *shape])
+        out: Arrays = {}
+        for spec in header["arrays"]:
+            name = spec["name"]
+            if name not in want or (spec["dtype"], spec["shape"]) != want[name]:
+                raise FormatError(f"array {name!r} is {spec['dtype']} {spec['shape']}, expected {want.get(name)}")
+            dt = np.dtype(spec["dtype"])
+            nbytes = int(np.prod(spec["shape"])) * dt.itemsize
+            off = int(spec["offset"])
+            if nbytes != spec["nbytes"] or off % ALIGN or off + nbytes > len(payload):
+                raise FormatError(f"array {name!r}: offset {off} and size {nbytes} do not fit the payload")
+            out[name] = np.frombuffer(payload, dtype=dt, count=nbytes // dt.itemsize, offset=off).reshape(spec["shape"])
+        if set(out) != set(want):
+            raise FormatError(f"arrays missing: {sorted(set(want) - set(out))[:3]}")
+        return out

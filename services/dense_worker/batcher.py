@@ -1,0 +1,378 @@
+"""Continuous batching: one asyncio loop deciding what each step holds, one thread running it.
+
+    seq = batcher.submit(request)          # ResourceExhausted when the queues are full
+    async for out in seq.outputs(): ...    # one Output per generated token; errors raise
+    batcher.release(seq)                   # the caller is done or gone (cancels if running)
+
+The loop, at every step boundary:
+  1. drops cancelled sequences (their KV is freed here) and admits waiting requests into
+     the running batch, oldest first, up to max_batch;
+  2. hands the batch to the step thread, which
+       - looks up the prompt of each newly admitted sequence in the prefix cache (a hit
+         starts its KV with the cached blocks and skips their prefill),
+       - plans the rows: one decode token per generating sequence, and prompt chunks of
+         the prefilling ones, oldest first, at most `prefill_chunk` prompt tokens per step
+         in all (a long prompt is prefilled over several steps, interleaved with decoding),
+       - runs `Model.step` on all rows (one ComputeExperts call per MoE layer, the batch
+         union), then samples each sequence whose prompt is complete with its own Sampler,
+       - stores the KV of every sequence that finished in the prefix cache;
+  3. streams the tokens to their callers and retires finished sequences.
+A step that fails (expert store down or slow past its deadline) fails the sequences in
+it with that error; the others carry on. The kernels are row-invariant, so neither the
+batch a sequence shares nor how its prompt was chunked changes a bit of its output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from moetier.errors import ResourceExhausted, Unavailable
+from moetier.model.forward import Model
+from moetier.model.kv_cache import KVCache
+from moetier.model.sampling import SampledToken, Sampler, SamplingParams
+from moetier.prefix_cache import PrefixCache
+from services.dense_worker.metrics import StepReport, WorkerMetrics
+from services.dense_worker.timing import PhaseClock
+
+log = logging.getLogger(__name__)
+
+I64 = npt.NDArray[np.int64]
+
+
+class Stepper(Protocol):
+    """The expert provider's step counter (RemoteExperts)."""
+
+    def new_step(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch: int
+    max_waiting: int
+    max_seq_len: int  # prompt + generated tokens per sequence
+    prefill_chunk: int  # prompt tokens prefilled per step, all sequences together
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    prompt: I64  # [P]
+    params: SamplingParams  # stop_token_ids are the request's; ignore_eos is set (the caller chose)
+    received: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class StepTimings:
+    step_s: float
+    attention_s: float
+    gate_s: float
+    expert_s: float
+    sampling_s: float
+    rows: int
+
+
+@dataclass(frozen=True)
+class Output:
+    """One generated token for the caller; the first carries the request's prompt figures."""
+
+    token: SampledToken
+    finish_reason: str | None
+    timings: StepTimings
+    first: bool
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    queue_s: float = 0.0
+
+
+class Sequence:
+    def __init__(self, request: Request, vocab_size: int) -> None:
+        self.request = request
+        self.sampler = Sampler(request.params, vocab_size)
+        self._queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
+        self.cancelled = False
+        self.finished = False
+        # owned by the step thread while a step runs, by the loop between steps
+        self.cache: KVCache | None = None
+        self.fed = 0  # prompt tokens in the cache
+        self.cached = 0  # of those, from the prefix cache
+        self.next_token: int | None = None  # sampled, not yet fed
+        self.first_step_at: float | None = None
+        self.emitted = 0
+        self.last_token_at = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.request.prompt)
+
+    async def outputs(self) -> AsyncIterator[Output]:
+        """Tokens until the one with a finish_reason; raises the error that ended the sequence."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    def _put(self, item: Output | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+@dataclass
+class _Result:
+    rows: list[tuple[Sequence, I64]]
+    sampled: list[tuple[Sequence, SampledToken, str | None]]
+    lookups: list[tuple[int, int]]  # (query tokens, hit tokens) of the prefix cache lookups
+    timings: StepTimings
+    error: BaseException | None = None
+    prefetch: tuple[int, int, int] = (0, 0, 0)
+
+
+class Batcher:
+    def __init__(self, model: Model, experts: Stepper, prefix: PrefixCache | None, clock: PhaseClock,
+                 metrics: WorkerMetrics, limits: Limits, after_step: Callable[[], None] | None = None) -> None:
+        self.model = model
+        self.experts = experts
+        self.prefix = prefix
+        self.clock = clock
+        self.metrics = metrics
+        self.limits = limits
+        self._after_step = after_step  # e.g. bring metrics counted elsewhere up to date
+        self._running: list[Sequence] = []
+        self._waiting: deque[Sequence] = deque()
+        self._wake = asyncio.Event()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dense-worker-step")
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._mean_step_s = 0.05
+        self.kv_bytes = 0
+        pf = model.stats.prefetch
+        self._prefetch_seen = (pf.predicted, pf.actual, pf.hits)
+        metrics.observe_state(lambda: len(self._running), lambda: len(self._waiting), lambda: self.kv_bytes,
+                              limits.max_batch)
+
+    # ---- the request side (event loop) -------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, request: Request) -> Sequence:
+        if self._closed:
+            raise Unavailable("the dense worker is stopping")
+        lim = self.limits
+        if len(self._running) + len(self._waiting) >= lim.max_batch + lim.max_waiting:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            # a batch slot frees when a running sequence ends: roughly a few steps away
+            retry = max(0.05, min(5.0, 4 * self._mean_step_s * (1 + len(self._waiting) / lim.max_batch)))
+            raise ResourceExhausted(f"dense worker full: {len(self._running)} running (max {lim.max_batch}), "
+                                    f"{len(self._waiting)} waiting (max {lim.max_waiting})", retry_after_s=retry)
+        seq = Sequence(request, lim.vocab_size)
+        self._waiting.append(seq)
+        self.metrics.prompt_tokens.inc(len(request.prompt))
+        self._wake.set()
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        """The caller is done with `seq` (finished, failed, or gone): a live one is cancelled and
+        leaves the batch at the next step boundary."""
+        if seq.finished or seq.cancelled:
+            return
+        seq.cancelled = True
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+            self._retire(seq, "cancelled")
+        self._wake.set()
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="dense-worker-batcher")
+
+    async def run_in_step_thread(self, fn: object) -> object:
+        """Run a callable on the step thread (start-up work such as kernel warm-up)."""
+        assert callable(fn)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn)
+
+    async def stop(self) -> None:
+        """Stop stepping; fail what is still queued or running with Unavailable."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await asyncio.to_thread(self._thread.shutdown, wait=True)  # the step in flight, if any
+        gone = Unavailable("the dense worker stopped")
+        for seq in [*self._running, *self._waiting]:
+            self._fail(seq, gone)
+        self._waiting.clear()
+        self._update_kv()
+
+    # ---- the loop ------------------------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._reap()
+            self._admit()
+            self._update_kv()
+            if not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = list(self._running)
+            result = await loop.run_in_executor(self._thread, self._step, batch)
+            self._deliver(result)
+            if self._after_step is not None:
+                self._after_step()
+
+    def _reap(self) -> None:
+        for seq in [s for s in self._running if s.cancelled]:
+            self._running.remove(seq)
+            self._retire(seq, "cancelled")
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.limits.max_batch:
+            self._running.append(self._waiting.popleft())
+
+    def _update_kv(self) -> None:
+        self.kv_bytes = sum(4 * s.cache.capacity * s.cache.num_layers * s.cache.width
+                            for s in self._running if s.cache is not None)
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        seq.finished = True
+        seq.cache = None  # the KV goes with the last reference
+        self.metrics.finished.labels(finish_reason=reason).inc()
+
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        if not seq.finished:
+            self._retire(seq, "failed")
+            seq._put(error)
+
+    def _deliver(self, r: _Result) -> None:
+        for query, hit in r.lookups:
+            self.metrics.prefix_query.inc(query)
+            self.metrics.prefix_hit.inc(hit)
+        if r.error is not None:
+            for seq, _ in r.rows:
+                self._fail(seq, r.error)
+        now = time.monotonic()
+        for seq, tok, reason in r.sampled:
+            if seq.cancelled or seq.finished:
+                continue
+            req = seq.request
+            first = seq.emitted == 0
+            queue_s = (seq.first_step_at or now) - req.received
+            seq._put(Output(tok, reason, r.timings, first, len(req.prompt) if first else 0,
+                            seq.cached if first else 0, queue_s if first else 0.0))
+            if first:
+                self.metrics.ttft.observe(now - req.received)
+                self.metrics.queue_time.observe(queue_s)
+            else:
+                self.metrics.itl.observe(now - seq.last_token_at)
+            seq.emitted += 1
+            seq.last_token_at = now
+            if reason is not None:
+                self._running.remove(seq)
+                self._retire(seq, reason)
+        t = r.timings
+        self._mean_step_s = 0.9 * self._mean_step_s + 0.1 * t.step_s
+        if r.error is None:
+            phases = {"attention": t.attention_s, "gate": t.gate_s, "expert": t.expert_s, "sampling": t.sampling_s}
+            phases["other"] = max(0.0, t.step_s - sum(phases.values()))
+            predicted, actual, hits = r.prefetch
+            self.metrics.observe_step(StepReport(rows=t.rows, sequences=len(r.rows), seconds=t.step_s, phases=phases,
+                                                 generated=len(r.sampled), predicted=predicted, actual=actual,
+                                                 hits=hits))
+
+    # ---- the step (step thread) ----------------------------------------------------------
+    def _lookup(self, seq: Sequence) -> tuple[int, int]:
+        prompt = seq.request.prompt
+        cache, n = None, 0
+        if self.prefix is not None:
+            try:
+                cache, n = self.prefix.lookup(prompt)
+            except Exception:
+                log.exception("prefix cache lookup failed; prefilling the whole prompt")
+                cache, n = None, 0
+        seq.cache = cache if cache is not None else self.model.new_cache()
+        seq.fed = seq.cached = n
+        return len(prompt), n
+
+    def _plan(self, batch: list[Sequence]) -> list[tuple[Sequence, I64]]:
+        budget = self.limits.prefill_chunk
+        rows: list[tuple[Sequence, I64]] = []
+        for seq in batch:
+            if seq.prefilling:
+                if budget == 0:
+                    continue
+                n = min(len(seq.request.prompt) - seq.fed, budget)
+                budget -= n
+                rows.append((seq, seq.request.prompt[seq.fed : seq.fed + n]))
+            else:
+                assert seq.next_token is not None
+                rows.append((seq, np.array([seq.next_token], dtype=np.int64)))
+        return rows
+
+    def _step(self, batch: list[Sequence]) -> _Result:
+        t0 = time.perf_counter()
+        self.clock.reset()
+        lookups = [self._lookup(s) for s in batch if s.cache is None]
+        rows = self._plan(batch)
+        now = time.monotonic()
+        for seq, _ in rows:
+            if seq.first_step_at is None:
+                seq.first_step_at = now
+        sampled: list[tuple[Sequence, SampledToken, str | None]] = []
+        error: BaseException | None = None
+        try:
+            self.experts.new_step()
+            logits = self.model.step([(s.cache, t) for s, t in rows])  # type: ignore[misc]
+            with self.clock.measure("sampling"):
+                for (seq, t), lg in zip(rows, logits, strict=True):
+                    if seq.prefilling:
+                        seq.fed += len(t)
+                        if seq.prefilling:
+                            continue  # a prompt chunk short of the end: its logits choose nothing
+                    tok = seq.sampler.choose(lg)
+                    reason = seq.sampler.finish_reason(tok.token)
+                    assert seq.cache is not None
+                    if reason is None and seq.cache.length >= self.limits.max_seq_len:
+                        reason = "length"
+                    seq.next_token = tok.token
+                    sampled.append((seq, tok, reason))
+            if self.prefix is not None:
+                for seq, _, reason in sampled:
+                    if reason is not None and seq.cache is not None:
+                        try:
+                            self.prefix.insert(seq.cache)
+                        except Exception:
+                            log.exception("prefix cache insert failed (the request is unaffected)")
+        except Exception as e:  # handed to the sequences of this step
+            if not isinstance(e, Unavailable | ResourceExhausted):
+                log.exception("step failed")
+            error, sampled = e, []
+        pf = self.model.stats.prefetch
+        seen, self._prefetch_seen = self._prefetch_seen, (pf.predicted, pf.actual, pf.hits)
+        delta = (pf.predicted - seen[0], pf.actual - seen[1], pf.hits - seen[2])
+        step_s = time.perf_counter() - t0
+        c = self.clock.seconds
+        timings = StepTimings(step_s, c["attention"], c["gate"], c["expert"], c["sampling"],
+                              sum(len(t) for _, t in rows))
+        return _Result(rows, sampled, lookups, timings, error, delta)

@@ -1,0 +1,151 @@
+"""The dense worker's domain: the model's dense part, the batcher, the prefix cache and the
+expert store client, wired together. No protobuf here (convert.py), no gRPC server
+(server.py).
+
+    core = WorkerCore(settings)            # container opened, dense tensors resident
+    await core.start()                     # kernels warmed, batcher running
+    seq = core.submit(request)             # -> batcher.Sequence (outputs(), release())
+    core.load()                            # running, waiting, KV bytes, prefix hashes
+    await core.stop()                      # in-flight requests failed, cache files flushed
+
+The Model is the in-process engine's (same dense tensors, same FastOps kernels); only the
+expert provider differs: `RemoteExperts`, one ComputeExperts call per MoE layer per step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from moetier.engine import DEFAULT_THREADS, load_dense
+from moetier.errors import InvalidArgument, Unavailable
+from moetier.kernels.fast import FastOps, warmup
+from moetier.model.forward import Model
+from moetier.prefix import BLOCK
+from moetier.prefix_cache import PrefixCache, kv_identity
+from moetier.settings import Settings, parse_bytes
+from moetier.weights.container import Container
+from services.dense_worker.batcher import Batcher, Limits, Request, Sequence
+from services.dense_worker.metrics import WorkerMetrics
+from services.dense_worker.remote import RemoteExperts
+from services.dense_worker.timing import PhaseClock, instrument
+
+log = logging.getLogger(__name__)
+
+PREFIX_HASHES_REPORTED = 8192  # most recently used first; bounds a heartbeat's size
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    running: int
+    waiting: int
+    kv_bytes: int
+    max_batch: int
+    max_waiting: int
+    prefix_hashes: list[int]
+    prefix_block: int
+
+
+def prefix_dir(settings: Settings, model_id: str) -> Path:
+    return (settings.inference.prefix_cache_dir or settings.data_path / "prefix-cache" / model_id).expanduser()
+
+
+class WorkerCore:
+    def __init__(self, settings: Settings, *, threads: int | None = None) -> None:
+        """threads: kernel threads of the step (default: moetier.engine.DEFAULT_THREADS)."""
+        if settings.model.path is None:
+            raise InvalidArgument("the dense worker needs a model directory (--model or model.path)")
+        self.settings = settings
+        self.worker_id = settings.dense_worker.id
+        inf = settings.inference
+        self.container = Container.open(settings.model.path)
+        try:
+            args = self.container.args
+            self.model_id = self.container.index.identity
+            self.clock = PhaseClock()
+            self.experts = RemoteExperts(settings.expert_store.address, self.model_id,
+                                         timeout_s=inf.expert_timeout_s, clock=self.clock,
+                                         hidden_size=args.hidden_size)
+            self.ops = FastOps(threads=threads if threads is not None else DEFAULT_THREADS)
+            self.model = Model(args, load_dense(self.container), self.ops, self.experts)
+            instrument(self.model, self.clock)
+            self.prefix = PrefixCache(args, self.model_id,
+                                      kv_identity(self.container.files, self.model_id, args),
+                                      prefix_dir(settings, self.model_id), parse_bytes(inf.prefix_cache_bytes))
+        except BaseException:
+            self.container.close()
+            raise
+        self.limits = Limits(max_batch=inf.max_batch_size, max_waiting=inf.max_waiting,
+                             max_seq_len=min(inf.max_seq_len, args.max_position_embeddings),
+                             prefill_chunk=inf.prefill_chunk, vocab_size=args.vocab_size)
+        self.metrics = WorkerMetrics()
+        self._prefix_seen = self.prefix.stats()
+        self._remote_seen: dict[str, int] = {}
+        self.metrics.prefix_rejected.inc(self._prefix_seen.files_rejected)
+        self.batcher = Batcher(self.model, self.experts, self.prefix, self.clock, self.metrics, self.limits,
+                               after_step=self.refresh_metrics)
+        log.info("dense worker %s: %s (%s, %d layers), model %s, expert store %s, %s, batch %d + %d waiting, "
+                 "prefix cache %s", self.worker_id, settings.model.path, args.arch, args.num_layers, self.model_id,
+                 settings.expert_store.address, self.ops, self.limits.max_batch, self.limits.max_waiting,
+                 self.prefix.directory)
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        """Warm the kernels on the step thread, reach the store (not required), start batching."""
+        await self.batcher.run_in_step_thread(warmup)
+        try:
+            await self.batcher.run_in_step_thread(self.experts.check)
+        except Unavailable as e:
+            log.warning("%s; requests fail with UNAVAILABLE until it answers", e)
+        await self.batcher.start()
+
+    async def stop(self) -> None:
+        await self.batcher.stop()
+        self.prefix.close()
+        self.experts.close()
+        self.container.close()
+
+    # ---- requests -------------------------------------------------------------------
+    def submit(self, request: Request) -> Sequence:
+        return self.batcher.submit(request)
+
+    def release(self, seq: Sequence) -> None:
+        self.batcher.release(seq)
+
+    def note_invalid(self) -> None:
+        self.metrics.rejected.labels(reason="invalid").inc()
+
+    def load(self) -> LoadSnapshot:
+        self._update_prefix_metrics()
+        return LoadSnapshot(running=self.batcher.running, waiting=self.batcher.waiting,
+                            kv_bytes=self.batcher.kv_bytes, max_batch=self.limits.max_batch,
+                            max_waiting=self.limits.max_waiting,
+                            prefix_hashes=self.prefix.hashes(PREFIX_HASHES_REPORTED), prefix_block=BLOCK)
+
+    def _update_prefix_metrics(self) -> None:
+        s = self.prefix.stats()
+        m = self.metrics
+        m.prefix_bytes.labels(tier="memory").set(s.memory_bytes)
+        m.prefix_bytes.labels(tier="disk").set(s.disk_bytes)
+        m.prefix_entries.set(s.entries)
+        m.prefix_rejected.inc(s.files_rejected - self._prefix_seen.files_rejected)
+        self._prefix_seen = s
+
+    def refresh_metrics(self) -> None:
+        """Bring the metrics that are counted elsewhere (prefix cache, expert store client) up to date."""
+        self._update_prefix_metrics()
+        r = self.experts.stats
+        m = self.metrics
+        for name, counter, value in (("ok", m.expert_calls.labels(outcome="ok"), r.calls),
+                                     ("failed", m.expert_calls.labels(outcome="failed"), r.failed_calls),
+                                     ("sent", m.hints.labels(outcome="sent"), r.hints_sent),
+                                     ("hfailed", m.hints.labels(outcome="failed"), r.hints_failed),
+                                     ("hits", m.store_hits, r.store_hits), ("misses", m.store_misses, r.store_misses)):
+            before = self._remote_seen.get(name, 0)
+            if value > before:
+                counter.inc(value - before)
+            self._remote_seen[name] = value
+        calls = self.experts.call_seconds
+        while calls:
+            m.expert_call_time.observe(calls.popleft())

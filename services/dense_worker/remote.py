@@ -1,0 +1,184 @@
+"""RemoteExperts: the forward pass's expert provider over the expert store's gRPC API.
+
+One `ComputeExperts` call per MoE layer per step, carrying every row of the step (the
+batch union), with a deadline of `timeout_s`; prefetch hints go out as `Prefetch` calls
+that nobody waits for. Both carry the step counter (`new_step()`), so the store can
+drop hints that went stale.
+
+Called from the worker's one step thread, so the channel is a plain (synchronous) gRPC
+channel. A store that is down, slow or restarting fails the call with Unavailable once
+the deadline (or the connection attempt) is over; the channel is then rebuilt, so the
+next call connects afresh instead of waiting out gRPC's reconnect backoff. Before its
+first call on a new channel the provider asks the store's `Info` and refuses a store
+serving another model (its expert ids would mean other experts).
+
+Legend: T = rows, D = hidden, K = experts per row.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from moetier.errors import InvalidArgument, MoetierError, Unavailable
+from moetier.rpc.errors import from_rpc_error
+from moetier.rpc.tensors import from_pb, to_pb
+from moetier.rpc.v1 import expert_store_pb2, expert_store_pb2_grpc
+from services.dense_worker.timing import PhaseClock
+
+log = logging.getLogger(__name__)
+
+F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
+
+MAX_MESSAGE_BYTES = 1 << 30  # a prefill chunk of a wide model is tens of MB of activations
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # a restarted store is found within a second, not after gRPC's default backoff (up to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass
+class RemoteStats:
+    """Counters since start; the metrics module turns deltas into Prometheus counters."""
+
+    calls: int = 0
+    failed_calls: int = 0
+    rows: int = 0
+    store_hits: int = 0  # experts of a call's union the store had in RAM
+    store_misses: int = 0
+    hints_sent: int = 0  # Prefetch calls
+    hints_failed: int = 0  # Prefetch calls that failed (never fails a request)
+
+
+class RemoteExperts:
+    """ExpertProvider (moetier.model.ops) over one expert store."""
+
+    def __init__(self, address: str, model_id: str, *, timeout_s: float, prefetch_timeout_s: float = 0.5,
+                 clock: PhaseClock | None = None, hidden_size: int | None = None) -> None:
+        self.address = address
+        self.model_id = model_id
+        self.timeout_s = timeout_s
+        self.prefetch_timeout_s = prefetch_timeout_s
+        self.clock = clock
+        self.hidden_size = hidden_size
+        self.step = 0
+        self.stats = RemoteStats()
+        self.call_seconds: deque[float] = deque()  # drained by the metrics after each step
+        self._lock = threading.Lock()
+        self._channel: grpc.Channel | None = None
+        self._stub: expert_store_pb2_grpc.ExpertStoreStub | None = None
+        self._checked = False  # Info verified on the current channel
+
+    # ---- the provider --------------------------------------------------------------
+    def new_step(self) -> int:
+        self.step += 1
+        return self.step
+
+    def moe(self, layer: int, x: F32, ids: I32, weights: F32) -> F32:
+        """x [T, D], ids/weights [T, K] -> [T, D], computed by the store in one call."""
+        req = expert_store_pb2.ComputeExpertsRequest(
+            layer=layer, hidden=to_pb(np.ascontiguousarray(x, dtype=np.float32)),
+            expert_ids=to_pb(np.ascontiguousarray(ids, dtype=np.int32)),
+            weights=to_pb(np.ascontiguousarray(weights, dtype=np.float32)), step=self.step)
+        t0 = time.perf_counter()
+        try:
+            stub = self._ready()
+            resp = stub.ComputeExperts(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            self._failed(e)
+            raise from_rpc_error(e, f"expert store {self.address}: ComputeExperts of layer {layer}") from None
+        except MoetierError:
+            self.stats.failed_calls += 1
+            raise
+        finally:
+            dt = time.perf_counter() - t0
+            if self.clock is not None:
+                self.clock.add("expert", dt)
+            self.call_seconds.append(dt)
+        try:
+            out = from_pb(resp.output, "ComputeExperts output", "float32", 2)
+        except InvalidArgument as e:
+            self.stats.failed_calls += 1
+            raise Unavailable(f"expert store {self.address}: malformed answer for layer {layer}: {e}") from None
+        if out.shape != x.shape:
+            self.stats.failed_calls += 1
+            raise Unavailable(f"expert store {self.address}: ComputeExperts of layer {layer} returned "
+                              f"{list(out.shape)} for {list(x.shape)} rows")
+        self.stats.calls += 1
+        self.stats.rows += len(x)
+        self.stats.store_hits += resp.hits
+        self.stats.store_misses += resp.misses
+        return out
+
+    def prefetch(self, layer: int, ids: I32) -> None:
+        """Fire and forget: the hint goes out, the step does not wait for it."""
+        stub = self._stub
+        if stub is None or not self._checked:
+            return  # not connected yet; hints are worth nothing to a store we have not reached
+        req = expert_store_pb2.PrefetchRequest(layer=layer, expert_ids=[int(e) for e in ids], step=self.step)
+        try:
+            fut = stub.Prefetch.future(req, timeout=self.prefetch_timeout_s)
+        except Exception:  # the channel is being replaced
+            self.stats.hints_failed += 1
+            return
+        self.stats.hints_sent += 1
+        fut.add_done_callback(self._hint_done)
+
+    def _hint_done(self, fut: grpc.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            self.stats.hints_failed += 1
+
+    # ---- the channel ---------------------------------------------------------------
+    def _ready(self) -> expert_store_pb2_grpc.ExpertStoreStub:
+        with self._lock:
+            if self._stub is None:
+                self._channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+                self._stub = expert_store_pb2_grpc.ExpertStoreStub(self._channel)
+                self._checked = False
+            stub = self._stub
+        if not self._checked:
+            info = stub.Info(expert_store_pb2.InfoRequest(), timeout=self.timeout_s)
+            if info.model_id != self.model_id:
+                self.close()
+                raise Unavailable(f"expert store {self.address} serves model {info.model_id}, this worker "
+                                  f"serves {self.model_id}")
+            if self.hidden_size is not None and info.hidden_size != self.hidden_size:
+                self.close()
+                raise Unavailable(f"expert store {self.address}: hidden size {info.hidden_size}, "
+                                  f"this model's is {self.hidden_size}")
+            self._checked = True
+            log.info("expert store %s: %s, %s experts, model %s", self.address, info.arch, info.expert_dtype,
+                     info.model_id)
+        return stub
+
+    def _failed(self, e: grpc.RpcError) -> None:
+        self.stats.failed_calls += 1
+        code = e.code() if hasattr(e, "code") else None
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN):
+            self.close()  # reconnect on the next call, without gRPC's backoff
+
+    def check(self) -> None:
+        """Connect and verify the store now (raises Unavailable when it is down or another model's)."""
+        try:
+            self._ready()
+        except grpc.RpcError as e:
+            self._failed(e)
+            raise from_rpc_error(e, f"expert store {self.address}: Info") from None
+
+    def close(self) -> None:
+        with self._lock:
+            channel, self._channel, self._stub, self._checked = self._channel, None, None, False
+        if channel is not None:
+            channel.close()
