@@ -275,3 +275,26 @@ def test_empty_batches() -> None:
 def test_warmup_runs() -> None:
     for b in BACKENDS:
         warmup(b)  # type: ignore[arg-type]
+
+
+def test_concurrent_callers_and_thread_counts_give_the_same_bits() -> None:
+    """Threads split output rows between them; neither their number nor a second caller
+    running at the same time (which then computes alone) changes a bit."""
+    import threading
+
+    rng = np.random.default_rng(9)
+    w = quantize(rand(rng, 300, 256), "int4", 64)
+    x = rand(rng, 3, 256)
+    want = FastOps(threads=1).linear(x, w)
+    results: list[bool] = []
+
+    def worker(threads: int) -> None:
+        ops = FastOps(threads=threads)
+        results.extend(same_bits(ops.linear(x, w), want) for _ in range(50))
+
+    ths = [threading.Thread(target=worker, args=(n,)) for n in (1, 2, 3, 4)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert len(results) == 200 and all(results)

@@ -47,9 +47,9 @@
 #define MT_X86 0
 #endif
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3 };
 #define RB 4 /* output rows per block */
@@ -495,49 +495,190 @@ static void *xalloc(size_t bytes) {
     return p;
 }
 
+/* ---------------------------------------------------------------- work pool
+ * A call splits its output into independent chunks (row blocks, attention items). The
+ * caller claims chunks from an atomic counter and so do helper threads that happen to be
+ * running; the caller never waits for a helper to START, only for chunks a helper has
+ * already claimed to finish. On a shared machine a descheduled helper therefore costs a
+ * chunk, not the call (a fork-join team would wait for it at both ends of every call).
+ * Which thread computes a chunk never changes its bits: chunks share nothing.
+ *
+ * One job runs at a time; a concurrent caller runs its own job alone. The claim word
+ * packs (generation << 32 | next chunk), so a late helper can never claim a chunk of a
+ * newer job with an older job's function. */
+
+typedef void (*chunk_fn)(void *ctx, int64_t chunk);
+
+#define POOL_MAX 64
+#define POOL_SPIN 2000 /* idle polls (~100 us) before a helper sleeps */
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int nhelpers, sleeping;
+    atomic_int busy;                /* a caller owns the pool */
+    _Atomic uint64_t claim;         /* generation << 32 | next chunk */
+    atomic_long done;               /* chunks of this generation finished */
+    chunk_fn fn;
+    void *ctx;
+    atomic_long nchunks;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, NULL, NULL, 0};
+
+/* Claim and run chunks of generation gen until none are left. */
+static void pool_work(uint64_t gen) {
+    for (;;) {
+        uint64_t w = atomic_load(&pool.claim);
+        if ((w >> 32) != gen || (int64_t)(w & 0xffffffffu) >= atomic_load(&pool.nchunks)) return;
+        if (!atomic_compare_exchange_weak(&pool.claim, &w, w + 1)) continue;
+        pool.fn(pool.ctx, (int64_t)(w & 0xffffffffu)); /* valid: the caller waits for this chunk */
+        atomic_fetch_add(&pool.done, 1);
+    }
+}
+
+static void *pool_helper(void *arg) {
+    (void)arg;
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t gen = 0;
+        for (int spin = 0; spin < POOL_SPIN; spin++) {
+            gen = atomic_load(&pool.claim) >> 32;
+            if (gen != seen) break;
+#if MT_X86
+            _mm_pause();
+#endif
+        }
+        if (gen == seen) {
+            pthread_mutex_lock(&pool.mu);
+            pool.sleeping++;
+            while ((gen = atomic_load(&pool.claim) >> 32) == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+            pool.sleeping--;
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = gen;
+        pool_work(gen);
+    }
+    return NULL;
+}
+
+static void pool_after_fork_child(void) {
+    /* the helpers did not survive the fork: start afresh (the caller claims everything) */
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.cv, NULL);
+    pool.nhelpers = pool.sleeping = 0;
+    atomic_store(&pool.busy, 0);
+}
+
+static void pool_grow(int want) {
+    static int atfork = 0;
+    if (!atfork) {
+        pthread_atfork(NULL, NULL, pool_after_fork_child);
+        atfork = 1;
+    }
+    while (pool.nhelpers < want && pool.nhelpers < POOL_MAX) {
+        pthread_t th;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&th, &at, pool_helper, NULL);
+        pthread_attr_destroy(&at);
+        if (rc != 0) break;
+        pool.nhelpers++;
+    }
+}
+
+/* Run fn(ctx, c) for c in [0, nchunks) on up to nthreads threads (the caller included). */
+static void pool_run(int nthreads, int64_t nchunks, chunk_fn fn, void *ctx) {
+    int expect = 0;
+    if (nthreads <= 1 || nchunks <= 1 || nchunks >= ((int64_t)1 << 31) ||
+        !atomic_compare_exchange_strong(&pool.busy, &expect, 1)) {
+        for (int64_t c = 0; c < nchunks; c++) fn(ctx, c);
+        return;
+    }
+    pthread_mutex_lock(&pool.mu);
+    pool_grow(nthreads - 1);
+    pool.fn = fn;
+    pool.ctx = ctx;
+    atomic_store(&pool.nchunks, nchunks);
+    atomic_store(&pool.done, 0);
+    const uint64_t gen = (atomic_load(&pool.claim) >> 32) + 1;
+    atomic_store(&pool.claim, gen << 32); /* publishes fn, ctx, nchunks */
+    if (pool.sleeping) pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+    pool_work(gen);
+    for (long spin = 0; atomic_load(&pool.done) < nchunks; spin++) {
+        if (spin < 2000) {
+#if MT_X86
+            _mm_pause();
+#endif
+        } else {
+            sched_yield(); /* a helper holding a chunk was descheduled */
+        }
+    }
+    atomic_store(&pool.busy, 0);
+}
+
+typedef struct {
+    int simd, use_fused;
+    const float *x;
+    int64_t T, blocks_per_chunk, blen;
+    const qmat *w;
+    const float *bias;
+    float *y;
+    atomic_int failed; /* a chunk could not allocate its buffer */
+} linear_ctx;
+
+/* Output rows [r0, r0 + RB) of every token: one row block. */
+static void linear_block(const linear_ctx *k, int64_t r0, float *buf) {
+    const qmat *w = k->w;
+    const int64_t R = w->rows, C = w->cols, T = k->T;
+    const int nr = (int)(R - r0 < RB ? R - r0 : RB);
+    const float *wr[RB] = {NULL, NULL, NULL, NULL};
+    int64_t rows[RB];
+    for (int i = 0; i < RB; i++) rows[i] = r0 + (i < nr ? i : nr - 1);
+    if (!k->use_fused)
+        for (int i = 0; i < RB; i++) wr[i] = i < nr ? row_values(k->simd, w, rows[i], buf + i * k->blen) : wr[nr - 1];
+    for (int64_t t0 = 0; t0 < T; t0 += TBMAX) {
+        const int tb = (int)(T - t0 < TBMAX ? T - t0 : TBMAX);
+        const float *xr[TBMAX];
+        for (int j = 0; j < TBMAX; j++) xr[j] = k->x + (t0 + (j < tb ? j : 0)) * C;
+        float res[TBMAX][RB];
+#if MT_X86
+        if (k->use_fused)
+            fused(tb, xr, w, rows, res);
+        else
+#endif
+            tile(k->simd, tb, xr, wr, C, res);
+        for (int j = 0; j < tb; j++)
+            for (int i = 0; i < nr; i++)
+                k->y[(t0 + j) * R + r0 + i] = k->bias ? res[j][i] + k->bias[r0 + i] : res[j][i];
+    }
+}
+
+static void linear_chunk(void *ctx, int64_t chunk) {
+    linear_ctx *k = ctx;
+    const int64_t nb = (k->w->rows + RB - 1) / RB;
+    const int64_t b0 = chunk * k->blocks_per_chunk;
+    const int64_t b1 = b0 + k->blocks_per_chunk < nb ? b0 + k->blocks_per_chunk : nb;
+    float *buf = k->use_fused ? NULL : xalloc((size_t)(RB * k->blen) * 4);
+    if (!k->use_fused && !buf) {
+        atomic_store(&k->failed, 1);
+        return;
+    }
+    for (int64_t b = b0; b < b1; b++) linear_block(k, b * RB, buf);
+    free(buf);
+}
+
 /* y[t, r] = dot(x[t], w[r], C) (+ bias[r]).  x [T, C], y [T, R]. Returns 0 or -1 (no memory). */
 static int linear_impl(int simd, int nthreads, const float *x, int64_t T, const qmat *w,
                        const float *bias, float *y) {
-    const int64_t R = w->rows, C = w->cols, nb = (R + RB - 1) / RB, blen = rowbuf_len(w);
-    const int use_fused = fused_ok(simd, w, T);
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && nb > 1)
-    {
-        float *buf = xalloc((size_t)(RB * blen) * 4);
-        if (!buf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < nb; b++) {
-            if (!buf) continue;
-            const int64_t r0 = b * RB;
-            const int nr = (int)(R - r0 < RB ? R - r0 : RB);
-            const float *wr[RB];
-            int64_t rows[RB];
-            for (int i = 0; i < RB; i++) rows[i] = r0 + (i < nr ? i : nr - 1);
-            if (!use_fused)
-                for (int i = 0; i < RB; i++)
-                    wr[i] = i < nr ? row_values(simd, w, rows[i], buf + i * blen) : wr[nr - 1];
-            for (int64_t t0 = 0; t0 < T; t0 += TBMAX) {
-                const int tb = (int)(T - t0 < TBMAX ? T - t0 : TBMAX);
-                const float *xr[TBMAX];
-                for (int j = 0; j < TBMAX; j++) xr[j] = x + (t0 + (j < tb ? j : 0)) * C;
-                float res[TBMAX][RB];
-#if MT_X86
-                if (use_fused)
-                    fused(tb, xr, w, rows, res);
-                else
-#endif
-                    tile(simd, tb, xr, wr, C, res);
-                for (int j = 0; j < tb; j++)
-                    for (int i = 0; i < nr; i++)
-                        y[(t0 + j) * R + r0 + i] = bias ? res[j][i] + bias[r0 + i] : res[j][i];
-            }
-        }
-        free(buf);
-    }
-    return failed ? -1 : 0;
+    const int64_t nb = (w->rows + RB - 1) / RB;
+    /* about 32 KiB of weights per chunk: small enough to balance, big enough to amortise */
+    int64_t bpc = (32 << 10) / (RB * (w->row_bytes > 0 ? w->row_bytes : 1));
+    if (T > TBMAX) bpc = bpc * TBMAX / T; /* keep chunks near equal work at large T */
+    if (bpc < 1) bpc = 1;
+    linear_ctx k = {simd, fused_ok(simd, w, T), x, T, bpc, rowbuf_len(w), w, bias, y, 0};
+    pool_run(nthreads, (nb + bpc - 1) / bpc, linear_chunk, &k);
+    return atomic_load(&k.failed) ? -1 : 0;
 }
 
 /* SwiGLU expert: y = down(silu(gate x) * up x). x [T, D], y [T, D]. */
@@ -583,54 +724,63 @@ static void softmax_row(int simd, const float *x, int64_t n, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = y[i] / s;
 }
 
-/* Causal attention of T query rows of one sequence. One work item = (t, kv head, block
- * of up to 4 query heads of that kv head); the items are independent. */
+typedef struct {
+    int simd;
+    const float *q, *k, *v;
+    const int64_t *qpos;
+    int64_t H, S, Hkv, dq, dv, rep, hblocks;
+    float scale;
+    float *out;
+    atomic_int failed;
+} attn_ctx;
+
+/* One work item = (t, kv head, block of up to 4 query heads of that kv head). */
+static void attention_item(void *ctx, int64_t it) {
+    attn_ctx *a = ctx;
+    const int64_t H = a->H, S = a->S, Hkv = a->Hkv, dq = a->dq, dv = a->dv, rep = a->rep;
+    const int64_t t = it / (Hkv * a->hblocks), kvh = (it / a->hblocks) % Hkv, hb = it % a->hblocks;
+    const int64_t h0 = kvh * rep + hb * 4;
+    const int nh = (int)(rep - hb * 4 < 4 ? rep - hb * 4 : 4);
+    const int64_t n = a->qpos[t] + 1; /* keys 0..q_pos[t] */
+    float *sc = xalloc((size_t)(4 * (S + 16)) * 4);
+    if (!sc) {
+        atomic_store(&a->failed, 1);
+        return;
+    }
+    const float *qr[TBMAX];
+    float *p[4];
+    for (int j = 0; j < TBMAX; j++) qr[j] = a->q + (t * H + h0 + (j < nh ? j : 0)) * dq;
+    for (int j = 0; j < 4; j++) p[j] = sc + j * (S + 16);
+    /* scores: heads x keys tiles of the dot contract */
+    for (int64_t s0 = 0; s0 < n; s0 += RB) {
+        const int ns = (int)(n - s0 < RB ? n - s0 : RB);
+        const float *kr[RB];
+        for (int i = 0; i < RB; i++) kr[i] = a->k + ((s0 + (i < ns ? i : 0)) * Hkv + kvh) * dq;
+        float res[TBMAX][RB];
+        tile(a->simd, nh, qr, kr, dq, res);
+        for (int j = 0; j < nh; j++)
+            for (int i = 0; i < ns; i++) p[j][s0 + i] = res[j][i] * a->scale;
+    }
+    for (int j = 0; j < nh; j++) softmax_row(a->simd, p[j], n, p[j]);
+    float *o[4];
+    for (int j = 0; j < 4; j++) o[j] = a->out + (t * H + h0 + (j < nh ? j : 0)) * dv;
+#if MT_X86
+    if (a->simd)
+        pv_avx512(nh, (const float *const *)p, a->v + kvh * dv, Hkv * dv, n, dv, o);
+    else
+#endif
+        pv_generic(nh, (const float *const *)p, a->v + kvh * dv, Hkv * dv, n, dv, o);
+    free(sc);
+}
+
+/* Causal attention of T query rows of one sequence; the work items are independent. */
 static int attention_impl(int simd, int nthreads, const float *q, const float *k, const float *v,
                           const int64_t *qpos, int64_t T, int64_t H, int64_t S, int64_t Hkv,
                           int64_t dq, int64_t dv, float scale, float *out) {
-    const int64_t rep = H / Hkv, hblocks = (rep + 3) / 4, items = T * Hkv * hblocks;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && items > 1)
-    {
-        float *sc = xalloc((size_t)(4 * (S + 16)) * 4);
-        if (!sc) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < items; it++) {
-            if (!sc) continue;
-            const int64_t t = it / (Hkv * hblocks), kvh = (it / hblocks) % Hkv, hb = it % hblocks;
-            const int64_t h0 = kvh * rep + hb * 4;
-            const int nh = (int)(rep - hb * 4 < 4 ? rep - hb * 4 : 4);
-            const int64_t n = qpos[t] + 1; /* keys 0..q_pos[t] */
-            const float *qr[TBMAX];
-            float *p[4];
-            for (int j = 0; j < TBMAX; j++) qr[j] = q + (t * H + h0 + (j < nh ? j : 0)) * dq;
-            for (int j = 0; j < 4; j++) p[j] = sc + j * (S + 16);
-            /* scores: heads x keys tiles of the dot contract */
-            for (int64_t s0 = 0; s0 < n; s0 += RB) {
-                const int ns = (int)(n - s0 < RB ? n - s0 : RB);
-                const float *kr[RB];
-                for (int i = 0; i < RB; i++) kr[i] = k + ((s0 + (i < ns ? i : 0)) * Hkv + kvh) * dq;
-                float res[TBMAX][RB];
-                tile(simd, nh, qr, kr, dq, res);
-                for (int j = 0; j < nh; j++)
-                    for (int i = 0; i < ns; i++) p[j][s0 + i] = res[j][i] * scale;
-            }
-            for (int j = 0; j < nh; j++) softmax_row(simd, p[j], n, p[j]);
-            float *o[4];
-            for (int j = 0; j < 4; j++) o[j] = out + (t * H + h0 + (j < nh ? j : 0)) * dv;
-#if MT_X86
-            if (simd)
-                pv_avx512(nh, (const float *const *)p, v + kvh * dv, Hkv * dv, n, dv, o);
-            else
-#endif
-                pv_generic(nh, (const float *const *)p, v + kvh * dv, Hkv * dv, n, dv, o);
-        }
-        free(sc);
-    }
-    return failed ? -1 : 0;
+    const int64_t rep = H / Hkv, hblocks = (rep + 3) / 4;
+    attn_ctx a = {simd, q, k, v, qpos, H, S, Hkv, dq, dv, rep, hblocks, scale, out, 0};
+    pool_run(nthreads, T * Hkv * hblocks, attention_item, &a);
+    return atomic_load(&a.failed) ? -1 : 0;
 }
 
 /* ---------------------------------------------------------------- Python bindings
