@@ -1,0 +1,162 @@
+"""The prefix cache alone (moetier/prefix_cache.py): block-granular lookup, files that survive a
+restart bit for bit, atomic writes, the byte budget, and files that must not be trusted."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moetier.convert.synth import preset_args
+from moetier.model.config import ModelArgs
+from moetier.model.kv_cache import KVCache
+from moetier.prefix import BLOCK, block_hashes
+from moetier.prefix_cache import MAGIC, PrefixCache
+
+MID, IDENTITY = "model-a", "kv-a"
+
+
+@pytest.fixture(scope="module", params=["tiny-deepseek_v3", "tiny-mixtral"])
+def args(request: pytest.FixtureRequest) -> ModelArgs:
+    return preset_args(request.param)
+
+
+def kv_of(args: ModelArgs, ids: list[int], seed: int = 0) -> KVCache:
+    """A KV cache of len(ids) positions with random (but reproducible) contents."""
+    rng = np.random.default_rng(seed)
+    cache = KVCache.for_model(args)
+    cache.reserve(len(ids))
+    for i in range(args.num_layers):
+        for name, shape in cache.layout.items():
+            cache.put(i, name, 0, rng.standard_normal((len(ids), *shape), dtype=np.float32))
+    cache.commit(ids)
+    return cache
+
+
+def same_prefix(a: KVCache, b: KVCache, n: int) -> None:
+    assert b.length == n
+    arrays_a, arrays_b = a.to_arrays(), b.to_arrays()
+    for name, arr in arrays_b.items():
+        np.testing.assert_array_equal(arr, arrays_a[name][:n], err_msg=name)
+
+
+def ids_of(n: int, seed: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 500, n)]
+
+
+def test_lookup_is_block_granular_and_leaves_the_last_token(args: ModelArgs, tmp_path: Path) -> None:
+    cache = PrefixCache(args, MID, IDENTITY, None, 1 << 30)
+    ids = ids_of(50, 1)
+    kv = kv_of(args, ids)
+    assert cache.insert(kv) == 48  # whole blocks only
+    for prompt, want in ((ids, 48), (ids[:49], 48), (ids[:48], 32), (ids[:33], 32), (ids[:17], 16),
+                         (ids[:16], 0), ([*ids[:20], 1, 2, 3], 16), ([9, *ids], 0)):
+        got, n = cache.lookup(prompt)
+        assert n == want, len(prompt)
+        if n:
+            assert got is not None
+            same_prefix(kv, got, n)
+            got.reserve(1)  # a fresh copy: extending it leaves the cache's entry alone
+            got.put(0, next(iter(got.layout)), n, np.ones((1, *next(iter(got.layout.values()))), np.float32))
+            got.commit([1])
+        else:
+            assert got is None
+    s = cache.stats()
+    assert s.entries == 1 and s.hit_tokens == 48 + 48 + 32 + 32 + 16 + 16
+
+
+def test_longer_entry_supersedes_its_prefix(args: ModelArgs) -> None:
+    cache = PrefixCache(args, MID, IDENTITY, None, 1 << 30)
+    turn1 = ids_of(40, 2)
+    cache.insert(kv_of(args, turn1))
+    turn2 = turn1 + ids_of(30, 3)
+    kv2 = kv_of(args, turn2, seed=1)
+    cache.insert(kv2)
+    assert cache.stats().entries == 1  # the first turn's blocks are answered by the second's entry
+    got, n = cache.lookup([*turn1[:33], 7])
+    assert n == 32 and got is not None
+    same_prefix(kv2, got, 32)
+    assert cache.hashes() == block_hashes(turn2[:64], BLOCK, MID)
+
+
+def test_files_survive_a_restart_bit_for_bit(args: ModelArgs, tmp_path: Path) -> None:
+    ids = ids_of(70, 4)
+    kv = kv_of(args, ids)
+    a = PrefixCache(args, MID, IDENTITY, tmp_path, 1 << 30)
+    a.insert(kv)
+    a.close()
+    files = list(tmp_path.iterdir())
+    assert [f.name for f in files] == [f"{block_hashes(ids[:64], BLOCK, MID)[-1]:016x}.kv"]  # no temporary left
+    raw = files[0].read_bytes()
+    assert raw[:8] == MAGIC
+    hlen = struct.unpack("<Q", raw[8:16])[0]
+    header = json.loads(raw[32 : 32 + hlen].rstrip(b"\0"))
+    assert header["tokens"] == 64 and header["model_id"] == MID and header["kv_identity"] == IDENTITY
+    b = PrefixCache(args, MID, IDENTITY, tmp_path, 1 << 30)
+    assert b.stats().entries == 1 and b.stats().memory_bytes == 0
+    assert set(block_hashes(ids[:64], BLOCK, MID)) == set(b.hashes())
+    got, n = b.lookup([*ids, 5])
+    assert n == 64 and got is not None
+    same_prefix(kv, got, 64)
+    assert b.stats().by_source["disk"] == 64
+    b.close()
+
+
+def test_budget_evicts_least_recently_used(args: ModelArgs, tmp_path: Path) -> None:
+    one = kv_of(args, ids_of(32, 0))
+    entry_bytes = sum(a.nbytes for a in one.to_arrays().values())
+    cache = PrefixCache(args, MID, IDENTITY, tmp_path, int(2.5 * entry_bytes))
+    prompts = [ids_of(32, 10 + i) for i in range(3)]
+    cache.insert(kv_of(args, prompts[0]))
+    cache.insert(kv_of(args, prompts[1]))
+    assert cache.lookup(prompts[0] + [1])[1] == 32  # 0 is now the most recent
+    cache.insert(kv_of(args, prompts[2]))
+    cache.flush()
+    assert cache.lookup(prompts[1] + [1])[1] == 0  # evicted
+    assert cache.lookup(prompts[0] + [1])[1] == 32 and cache.lookup(prompts[2] + [1])[1] == 32
+    assert len(list(tmp_path.glob("*.kv"))) == 2
+    s = cache.stats()
+    assert s.evictions == 1 and s.disk_bytes <= 2.5 * entry_bytes
+    assert cache.insert(kv_of(args, ids_of(200, 5))) == 0  # larger than the whole budget: not kept
+    cache.close()
+
+
+def test_corrupt_torn_and_foreign_files(args: ModelArgs, tmp_path: Path) -> None:
+    prompts = [ids_of(40, 20 + i) for i in range(3)]
+    a = PrefixCache(args, MID, IDENTITY, tmp_path, 1 << 30)
+    for p in prompts:
+        a.insert(kv_of(args, p))
+    a.close()
+    name = {i: tmp_path / f"{block_hashes(p[:32], BLOCK, MID)[-1]:016x}.kv" for i, p in enumerate(prompts)}
+    raw = bytearray(name[0].read_bytes())
+    raw[-5] ^= 1
+    name[0].write_bytes(bytes(raw))  # one flipped bit in the payload
+    name[1].write_bytes(name[1].read_bytes()[:-1])  # torn
+    other = PrefixCache(args, "model-b", "kv-b", tmp_path / "b", 1 << 30)
+    other.insert(kv_of(args, prompts[2]))
+    other.close()
+    foreign = next((tmp_path / "b").glob("*.kv")).rename(tmp_path / "0000000000000000.kv")
+    (tmp_path / ".x.kv.1.0.tmp").write_bytes(b"half a write")  # a young temporary: another writer's, kept
+
+    b = PrefixCache(args, MID, IDENTITY, tmp_path, 1 << 30)
+    assert b.stats().files_rejected == 1 and not name[1].exists()  # torn: found by its size at start
+    assert b.lookup(prompts[0] + [1]) == (None, 0)  # corrupt: found by the checksum when read
+    assert b.stats().files_rejected == 2 and not name[0].exists()
+    got, n = b.lookup(prompts[2] + [1])
+    assert n == 32 and got is not None
+    assert foreign.exists() and (tmp_path / ".x.kv.1.0.tmp").exists()  # other model's files are left alone
+    b.close()
+
+
+def test_other_model_or_shape_never_matches(args: ModelArgs, tmp_path: Path) -> None:
+    ids = ids_of(40, 30)
+    a = PrefixCache(args, MID, IDENTITY, tmp_path, 1 << 30)
+    a.insert(kv_of(args, ids))
+    a.close()
+    b = PrefixCache(args, MID, "kv-other-weights", tmp_path, 1 << 30)  # same experts, other dense weights
+    assert b.stats().entries == 0 and b.lookup(ids) == (None, 0)
+    b.close()
+    assert len(list(tmp_path.glob("*.kv"))) == 1  # left for its own worker
