@@ -83,5 +83,5 @@ def register(sub: Any) -> None:
     p.add_argument("--show-ids", action="store_true", help="print the generated token ids instead of text")
     p.add_argument("--budget", help="expert RAM tier: bytes (2GiB) or a share of the expert bytes (25%%); "
                    "default: settings model.expert_cache")
-    p.add_argument("--threads", type=int, help="kernel threads (default 1: see moetier/engine.py)")
+    p.add_argument("--threads", type=int, help="kernel threads (default: every CPU)")
     p.set_defaults(func=_run)

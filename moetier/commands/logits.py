@@ -33,5 +33,5 @@ def register(sub: Any) -> None:
     p.add_argument("--out", type=Path, required=True, help="output .npy file: float32 [T, vocab]")
     p.add_argument("--reference", action="store_true", help="plain numpy ReferenceOps instead of FastOps")
     p.add_argument("--budget", help="expert RAM tier (default: settings model.expert_cache)")
-    p.add_argument("--threads", type=int, help="kernel threads (default 1)")
+    p.add_argument("--threads", type=int, help="kernel threads (default: every CPU)")
     p.set_defaults(func=_run)

@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetier.engine import DEFAULT_THREADS, load_dense
+from moetier.engine import load_dense
 from moetier.errors import InvalidArgument, Unavailable
 from moetier.kernels.fast import FastOps, warmup
 from moetier.model.forward import Model
@@ -53,7 +53,7 @@ def prefix_dir(settings: Settings, model_id: str) -> Path:
 
 class WorkerCore:
     def __init__(self, settings: Settings, *, threads: int | None = None) -> None:
-        """threads: kernel threads of the step (default: moetier.engine.DEFAULT_THREADS)."""
+        """threads: kernel threads of the step (default: every CPU, as the in-process engine)."""
         if settings.model.path is None:
             raise InvalidArgument("the dense worker needs a model directory (--model or model.path)")
         self.settings = settings
@@ -67,7 +67,7 @@ class WorkerCore:
             self.experts = RemoteExperts(settings.expert_store.address, self.model_id,
                                          timeout_s=inf.expert_timeout_s, clock=self.clock,
                                          hidden_size=args.hidden_size)
-            self.ops = FastOps(threads=threads if threads is not None else DEFAULT_THREADS)
+            self.ops = FastOps(threads=threads)
             self.model = Model(args, load_dense(self.container), self.ops, self.experts)
             instrument(self.model, self.clock)
             self.prefix = PrefixCache(args, self.model_id,

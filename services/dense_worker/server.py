@@ -105,7 +105,7 @@ def create_server(settings: Settings, bind: str = "127.0.0.1:0", *, register: bo
     """A dense worker bound to `bind` (port 0: any free port), not yet started; and its port.
     register: join the router at settings.router.address (as settings.dense_worker.id, reachable
     at settings.dense_worker.address, port 0 there meaning the bound port). threads: kernel
-    threads of the step (default 1, see moetier/engine.py)."""
+    threads of the step (default: every CPU, see moetier/engine.py)."""
     core = WorkerCore(settings, threads=threads)
     try:
         server = grpc.aio.server()
