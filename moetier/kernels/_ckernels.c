@@ -15,6 +15,11 @@
  *     The sequence of floating-point operations depends on n alone. fma is the single
  *     rounding fused multiply-add (vfmadd / fmaf / llvm.fma), the same in every path.
  *   sum(a, n): the same with acc[l] = acc[l] + a[16k + l].
+ *   exp(x): the contract's own exponential (exp_generic below): Cody-Waite reduction by
+ *     ln 2, a degree-7 polynomial in fma, scaling by an exact power of two; x < -86.5
+ *     gives 0 (no subnormals), x > 88.75 gives inf, NaN stays NaN. Every step is one
+ *     IEEE operation, so the 16-lane and the scalar versions agree bit for bit (libm's
+ *     expf would be scalar-only and would differ between libraries).
  *
  * Every reduction in this file is one of those two, with n the length of the reduced
  * dimension (C for linear, dq for attention scores, the row's own number of visible keys
@@ -25,7 +30,7 @@
  *
  * The file is compiled with -ffp-contract=off so the compiler never fuses a multiply
  * and an add that the contract does not fuse, and without -ffast-math so nothing is
- * reassociated and expf is the scalar libm function for every element.
+ * reassociated or approximated.
  *
  * Quantized weights stay quantized in memory: each block of four output rows is
  * dequantized into a small per-thread float buffer (exactly q * scale, the value
@@ -115,6 +120,41 @@ static void dequant_row_generic(const qmat *w, int64_t r, float *buf) {
     }
 }
 
+/* exp coefficients (Cephes expf): ln 2 = EXP_C1 + EXP_C2, EXP_C1 exact in 9 bits */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_C1 0.693359375f
+#define EXP_C2 -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+#define EXP_LO -86.5f /* below: 0 (the result would be subnormal soon after) */
+#define EXP_HI 88.75f /* above: inf */
+
+static inline float exp_generic(float x) {
+    if (x != x) return x;
+    if (x < EXP_LO) return 0.0f;
+    if (x > EXP_HI) return INFINITY;
+    const float n = rintf(x * EXP_LOG2E); /* nearest, ties to even: n in [-125, 128] */
+    float r = fmaf(-n, EXP_C1, x);
+    r = fmaf(-n, EXP_C2, r);
+    const float z = r * r;
+    float y = EXP_P0;
+    y = fmaf(y, r, EXP_P1);
+    y = fmaf(y, r, EXP_P2);
+    y = fmaf(y, r, EXP_P3);
+    y = fmaf(y, r, EXP_P4);
+    y = fmaf(y, r, EXP_P5);
+    y = fmaf(y, z, r);
+    y = y + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 126) << 23; /* 2^(n-1), normal */
+    float pw;
+    memcpy(&pw, &bits, 4);
+    return (y * pw) * 2.0f; /* two steps: 2^n itself overflows at n = 128 */
+}
+
 static float hsum16_generic(const float *a) {
     float s8[8], s4[4], s2[2];
     for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
@@ -151,11 +191,11 @@ static float sum_generic(const float *a, int64_t n) {
     return hsum16_generic(acc);
 }
 
-/* acc[h][d] = fma(p[h][s], v[s][d], acc[h][d]) for s < n in increasing s (portable). */
-static void pv_generic(int nh, const float *const *p, const float *v, int64_t vstride, int64_t n,
+/* acc[h][d] = fma(p[h][s], v[s][d], acc[h][d]) for s in [s0, s1), increasing (portable).
+ * Callers zero acc first and walk s in increasing blocks: one sequence per element. */
+static void pv_generic(int nh, const float *const *p, const float *v, int64_t vstride, int64_t s0, int64_t s1,
                        int64_t dv, float *const *acc) {
-    for (int h = 0; h < nh; h++) memset(acc[h], 0, (size_t)dv * 4);
-    for (int64_t s = 0; s < n; s++) {
+    for (int64_t s = s0; s < s1; s++) {
         const float *vr = v + s * vstride;
         for (int h = 0; h < nh; h++) {
             float ps = p[h][s];
@@ -211,6 +251,48 @@ MT_AVX512 static void tile_avx512(int tb, const float *const *xr, const float *c
     case 2: tile_avx512_tb(2, xr, wr, n, out); break;
     case 3: tile_avx512_tb(3, xr, wr, n, out); break;
     default: tile_avx512_tb(4, xr, wr, n, out); break;
+    }
+}
+
+MT_AVX512 static inline __m512 exp_avx512(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C1), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C2), r);
+    const __m512 z = _mm512_mul_ps(r, r);
+    __m512 y = _mm512_set1_ps(EXP_P0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P5));
+    y = _mm512_fmadd_ps(y, z, r);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
+    __m512 res = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(e)), _mm512_set1_ps(2.0f));
+    res = _mm512_mask_mov_ps(res, _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ), _mm512_setzero_ps());
+    res = _mm512_mask_mov_ps(res, _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_HI), _CMP_GT_OQ),
+                             _mm512_set1_ps(INFINITY));
+    return _mm512_mask_mov_ps(res, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+/* y[i] = exp(x[i] - m) */
+MT_AVX512 static void exp_shift_avx512(const float *x, float m, int64_t n, float *y) {
+    const __m512 mv = _mm512_set1_ps(m);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(y + i, k, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
+    }
+}
+
+/* g[i] = (g / (1 + exp(-g))) * u[i] */
+MT_AVX512 static void swiglu_avx512(float *g, const float *u, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+        const __m512 sl = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(zero, gv))));
+        _mm512_mask_storeu_ps(g + i, k, _mm512_mul_ps(sl, _mm512_maskz_loadu_ps(k, u + i)));
     }
 }
 
@@ -276,7 +358,7 @@ MT_AVX512 static void dequant_bf16_avx512(const qmat *w, int64_t r, float *buf) 
 }
 
 MT_AVX512 static void pv_avx512(int nh, const float *const *p, const float *v, int64_t vstride,
-                                int64_t n, int64_t dv, float *const *acc) {
+                                int64_t s0, int64_t s1, int64_t dv, float *const *acc) {
     /* 4 heads x 4 chunks of 16 values in registers; s runs innermost, in order */
     for (int64_t d0 = 0; d0 < dv; d0 += 64) {
         int nc = (int)((dv - d0 + 15) / 16);
@@ -288,8 +370,9 @@ MT_AVX512 static void pv_avx512(int nh, const float *const *p, const float *v, i
         }
         __m512 a[4][4];
         for (int h = 0; h < 4; h++)
-            for (int c = 0; c < 4; c++) a[h][c] = _mm512_setzero_ps();
-        for (int64_t s = 0; s < n; s++) {
+            for (int c = 0; c < 4; c++)
+                a[h][c] = h < nh ? _mm512_maskz_loadu_ps(mk[c], acc[h] + d0 + 16 * c) : _mm512_setzero_ps();
+        for (int64_t s = s0; s < s1; s++) {
             const float *vr = v + s * vstride + d0;
             __m512 vv[4];
             for (int c = 0; c < 4; c++) vv[c] = _mm512_maskz_loadu_ps(mk[c], vr + 16 * c);
@@ -689,12 +772,17 @@ static int ffn_impl(int simd, int nthreads, const float *x, int64_t T, const qma
     int rc = -1;
     if (hg && hu && linear_impl(simd, nthreads, x, T, gate, NULL, hg) == 0 &&
         linear_impl(simd, nthreads, x, T, up, NULL, hu) == 0) {
-        /* silu(g) * u exactly as the reference writes it: (g / (1 + exp(-g))) * u */
-        for (int64_t i = 0; i < T * I; i++) {
-            float gv = hg[i];
-            float sl = gv / (1.0f + expf(-gv));
-            hg[i] = sl * hu[i];
-        }
+        /* silu(g) * u as the reference writes it: (g / (1 + exp(-g))) * u */
+#if MT_X86
+        if (simd)
+            swiglu_avx512(hg, hu, T * I);
+        else
+#endif
+            for (int64_t i = 0; i < T * I; i++) {
+                float gv = hg[i];
+                float sl = gv / (1.0f + exp_generic(0.0f - gv));
+                hg[i] = sl * hu[i];
+            }
         rc = linear_impl(simd, nthreads, hg, T, down, NULL, y);
     }
     free(hg);
@@ -719,7 +807,12 @@ static void rmsnorm_impl(int simd, const float *x, int64_t T, int64_t C, const f
 static void softmax_row(int simd, const float *x, int64_t n, float *y) {
     float m = -INFINITY;
     for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m; /* max: exact in any order */
-    for (int64_t i = 0; i < n; i++) y[i] = expf(x[i] - m);
+#if MT_X86
+    if (simd)
+        exp_shift_avx512(x, m, n, y);
+    else
+#endif
+        for (int64_t i = 0; i < n; i++) y[i] = exp_generic(x[i] - m);
     float s = sum_n(simd, y, n);
     for (int64_t i = 0; i < n; i++) y[i] = y[i] / s;
 }
@@ -728,48 +821,67 @@ typedef struct {
     int simd;
     const float *q, *k, *v;
     const int64_t *qpos;
-    int64_t H, S, Hkv, dq, dv, rep, hblocks;
+    int64_t H, S, Hkv, dq, dv, rep, hgroup, ngroups;
     float scale;
     float *out;
     atomic_int failed;
 } attn_ctx;
 
-/* One work item = (t, kv head, block of up to 4 query heads of that kv head). */
+#define ATT_SB 128 /* keys per block of the P.V pass: the block of V stays in L2 across heads */
+
+/* One work item = (t, kv head, group of query heads of that kv head). Each key block is
+ * loaded once and used by every head of the group (the MLA decode case: up to 128 heads
+ * on one latent). How heads are grouped never changes a head's operations. */
 static void attention_item(void *ctx, int64_t it) {
     attn_ctx *a = ctx;
     const int64_t H = a->H, S = a->S, Hkv = a->Hkv, dq = a->dq, dv = a->dv, rep = a->rep;
-    const int64_t t = it / (Hkv * a->hblocks), kvh = (it / a->hblocks) % Hkv, hb = it % a->hblocks;
-    const int64_t h0 = kvh * rep + hb * 4;
-    const int nh = (int)(rep - hb * 4 < 4 ? rep - hb * 4 : 4);
+    const int64_t t = it / (Hkv * a->ngroups), kvh = (it / a->ngroups) % Hkv, hg = it % a->ngroups;
+    const int64_t h0 = kvh * rep + hg * a->hgroup;
+    const int64_t nh = rep - hg * a->hgroup < a->hgroup ? rep - hg * a->hgroup : a->hgroup;
     const int64_t n = a->qpos[t] + 1; /* keys 0..q_pos[t] */
-    float *sc = xalloc((size_t)(4 * (S + 16)) * 4);
+    const int64_t stride = S + 16;
+    float *sc = xalloc((size_t)(nh * stride) * 4);
     if (!sc) {
         atomic_store(&a->failed, 1);
         return;
     }
-    const float *qr[TBMAX];
-    float *p[4];
-    for (int j = 0; j < TBMAX; j++) qr[j] = a->q + (t * H + h0 + (j < nh ? j : 0)) * dq;
-    for (int j = 0; j < 4; j++) p[j] = sc + j * (S + 16);
-    /* scores: heads x keys tiles of the dot contract */
+    /* scores: (4 heads) x (4 keys) tiles of the dot contract, key block outermost */
     for (int64_t s0 = 0; s0 < n; s0 += RB) {
         const int ns = (int)(n - s0 < RB ? n - s0 : RB);
         const float *kr[RB];
         for (int i = 0; i < RB; i++) kr[i] = a->k + ((s0 + (i < ns ? i : 0)) * Hkv + kvh) * dq;
-        float res[TBMAX][RB];
-        tile(a->simd, nh, qr, kr, dq, res);
-        for (int j = 0; j < nh; j++)
-            for (int i = 0; i < ns; i++) p[j][s0 + i] = res[j][i] * a->scale;
+        for (int64_t hb = 0; hb < nh; hb += 4) {
+            const int nb = (int)(nh - hb < 4 ? nh - hb : 4);
+            const float *qr[TBMAX];
+            for (int j = 0; j < TBMAX; j++) qr[j] = a->q + (t * H + h0 + hb + (j < nb ? j : 0)) * dq;
+            float res[TBMAX][RB];
+            tile(a->simd, nb, qr, kr, dq, res);
+            for (int j = 0; j < nb; j++)
+                for (int i = 0; i < ns; i++) sc[(hb + j) * stride + s0 + i] = res[j][i] * a->scale;
+        }
     }
-    for (int j = 0; j < nh; j++) softmax_row(a->simd, p[j], n, p[j]);
-    float *o[4];
-    for (int j = 0; j < 4; j++) o[j] = a->out + (t * H + h0 + (j < nh ? j : 0)) * dv;
+    for (int64_t h = 0; h < nh; h++) softmax_row(a->simd, sc + h * stride, n, sc + h * stride);
+    /* out = sum_s p[s] v[s], s increasing, in key blocks that every head block revisits */
+    for (int64_t h = 0; h < nh; h++) memset(a->out + (t * H + h0 + h) * dv, 0, (size_t)dv * 4);
+    for (int64_t s0 = 0; s0 < n; s0 += ATT_SB) {
+        const int64_t s1 = s0 + ATT_SB < n ? s0 + ATT_SB : n;
+        for (int64_t hb = 0; hb < nh; hb += 4) {
+            const int nb = (int)(nh - hb < 4 ? nh - hb : 4);
+            const float *p[4];
+            float *o[4];
+            for (int j = 0; j < 4; j++) {
+                const int64_t h = hb + (j < nb ? j : 0);
+                p[j] = sc + h * stride;
+                o[j] = a->out + (t * H + h0 + h) * dv;
+            }
 #if MT_X86
-    if (a->simd)
-        pv_avx512(nh, (const float *const *)p, a->v + kvh * dv, Hkv * dv, n, dv, o);
-    else
+            if (a->simd)
+                pv_avx512(nb, p, a->v + kvh * dv, Hkv * dv, s0, s1, dv, o);
+            else
 #endif
-        pv_generic(nh, (const float *const *)p, a->v + kvh * dv, Hkv * dv, n, dv, o);
+                pv_generic(nb, p, a->v + kvh * dv, Hkv * dv, s0, s1, dv, o);
+        }
+    }
     free(sc);
 }
 
@@ -777,9 +889,15 @@ static void attention_item(void *ctx, int64_t it) {
 static int attention_impl(int simd, int nthreads, const float *q, const float *k, const float *v,
                           const int64_t *qpos, int64_t T, int64_t H, int64_t S, int64_t Hkv,
                           int64_t dq, int64_t dv, float scale, float *out) {
-    const int64_t rep = H / Hkv, hblocks = (rep + 3) / 4;
-    attn_ctx a = {simd, q, k, v, qpos, H, S, Hkv, dq, dv, rep, hblocks, scale, out, 0};
-    pool_run(nthreads, T * Hkv * hblocks, attention_item, &a);
+    const int64_t rep = H / Hkv;
+    /* split a kv head's query heads only as far as needed to give every thread work */
+    int64_t splits = 1;
+    while (T * Hkv * splits < nthreads && splits < (rep + 3) / 4) splits++;
+    int64_t hgroup = (rep + splits - 1) / splits;
+    hgroup = (hgroup + 3) / 4 * 4;
+    const int64_t ngroups = (rep + hgroup - 1) / hgroup;
+    attn_ctx a = {simd, q, k, v, qpos, H, S, Hkv, dq, dv, rep, hgroup, ngroups, scale, out, 0};
+    pool_run(nthreads, T * Hkv * ngroups, attention_item, &a);
     return atomic_load(&a.failed) ? -1 : 0;
 }
 
@@ -991,6 +1109,30 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_exp(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *yo;
+    long long N;
+    int simd;
+    if (!PyArg_ParseTuple(args, "OLOi", &xo, &N, &yo, &simd)) return NULL;
+    bufset bs = {.n = 0};
+    const float *x;
+    float *y;
+    if (!(x = get_buf(&bs, xo, N * 4, 0, "x")) || !(y = get_buf(&bs, yo, N * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    simd = pick_simd(simd);
+#if MT_X86
+    if (simd)
+        exp_shift_avx512(x, 0.0f, N, y);
+    else
+#endif
+        for (int64_t i = 0; i < N; i++) y[i] = exp_generic(x[i] - 0.0f);
+    bufset_release(&bs);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_has_simd(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -1004,6 +1146,7 @@ static PyMethodDef methods[] = {
     {"softmax", py_softmax, METH_VARARGS, "softmax(x, T, N, out, simd)"},
     {"attention", py_attention, METH_VARARGS,
      "attention(q, k, v, q_pos, T, H, S, Hkv, dq, dv, scale, out, simd, threads)"},
+    {"exp", py_exp, METH_VARARGS, "exp(x, N, out, simd): the contract's exponential, elementwise"},
     {"has_simd", py_has_simd, METH_NOARGS, "0: portable C, 1: AVX-512, 2: AVX-512 with VBMI"},
     {NULL, NULL, 0, NULL},
 };

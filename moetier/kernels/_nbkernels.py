@@ -65,6 +65,47 @@ def _f16(h: int) -> np.float32:
     return -v if h & 0x8000 else v
 
 
+# the contract's exponential (exp_generic in _ckernels.c), constant for constant
+_LOG2E = np.float32(1.44269504088896341)
+_C1 = np.float32(0.693359375)
+_C2 = np.float32(-2.12194440e-4)
+_P = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                   1.6666665459e-1, 5.0000001201e-1))
+_LO = np.float32(-86.5)
+_HI = np.float32(88.75)
+
+
+@njit(cache=True)
+def _exp(x: np.float32) -> np.float32:
+    if x != x:
+        return x
+    if x < _LO:
+        return np.float32(0.0)
+    if x > _HI:
+        return np.float32(np.inf)
+    n = np.float32(np.rint(x * _LOG2E))
+    r = _fma(-n, _C1, x)
+    r = _fma(-n, _C2, r)
+    z = r * r
+    y = _P[0]
+    y = _fma(y, r, _P[1])
+    y = _fma(y, r, _P[2])
+    y = _fma(y, r, _P[3])
+    y = _fma(y, r, _P[4])
+    y = _fma(y, r, _P[5])
+    y = _fma(y, z, r)
+    y = y + np.float32(1.0)
+    pw = np.float32(math.ldexp(1.0, int(n) - 1))  # 2^(n-1), exact
+    return (y * pw) * np.float32(2.0)
+
+
+@njit(cache=True)
+def exp(x: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = the contract's exp(x[i]) (tests compare it across backends)."""
+    for i in range(x.size):
+        out[i] = _exp(x[i] - np.float32(0.0))
+
+
 @njit(cache=True)
 def _hsum16(acc: np.ndarray) -> np.float32:
     s0 = acc[0] + acc[8]
@@ -168,7 +209,7 @@ def swiglu(hg: np.ndarray, hu: np.ndarray) -> None:
     one = np.float32(1.0)
     for i in range(flat_g.size):
         gv = flat_g[i]
-        sl = gv / (one + math.exp(-gv))
+        sl = gv / (one + _exp(np.float32(0.0) - gv))
         flat_g[i] = sl * flat_u[i]
 
 
@@ -189,7 +230,7 @@ def _softmax_row(x: np.ndarray, n: int, y: np.ndarray, acc: np.ndarray) -> None:
     for i in range(n):
         m = x[i] if x[i] > m else m
     for i in range(n):
-        y[i] = math.exp(x[i] - m)
+        y[i] = _exp(x[i] - m)
     s = _sum(y, n, acc)
     for i in range(n):
         y[i] = y[i] / s
