@@ -156,6 +156,7 @@ class StoreCore:
         self.settings = settings
         self.store_id = settings.expert_store.id
         self.history_interval_s = history_interval_s
+        self.ops = FastOps(threads=threads if threads is not None else kernel_threads())
         self.container = Container.open(settings.model.path)
         try:
             self.shape = shape_of(self.container)
@@ -168,7 +169,6 @@ class StoreCore:
         except BaseException:
             self.container.close()
             raise
-        self.ops = FastOps(threads=threads if threads is not None else kernel_threads())
         # One compute thread: the kernels spread each call over `ops.threads` cores themselves;
         # concurrent calls would only make their thread teams fight for the same cores.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetier-compute")
