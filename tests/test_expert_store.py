@@ -543,3 +543,25 @@ async def test_tier_apin_cancelled_while_waiting_for_room_pins_nothing(model: Pa
         await asyncio.sleep(0.05)
         assert (tier.stats().pinned_experts, tier.stats().loading_experts) == (0, 0)
         tier.check_invariants()
+
+
+async def test_dense_worker_provider_over_the_store_equals_the_in_process_engine(model: Path, tmp_path: Path) -> None:
+    """The contract end to end: the dense worker's RemoteExperts against this server."""
+    from services.dense_worker.remote import RemoteExperts
+
+    rng = np.random.default_rng(14)
+    with Container.open(model) as c:
+        engine = TieredExperts.open(c, FastOps(threads=1), TierConfig(budget_bytes=c.expert_bytes), depth=2)
+        async with running(store_settings(model, tmp_path)) as st:
+            remote = RemoteExperts(f"127.0.0.1:{st.port}", c.index.identity, timeout_s=10, hidden_size=D)
+            try:
+                for layer in (*LAYERS, *LAYERS):
+                    remote.new_step()
+                    x, ids, w = batch(rng, 5)
+                    y = await asyncio.to_thread(remote.moe, layer, x, ids, w)
+                    assert np.array_equal(y, engine.moe(layer, x, ids, w))
+                assert remote.stats.calls == 4 and remote.stats.failed_calls == 0
+                assert (await st.stub.Heat(pb.HeatRequest(), timeout=2)).step == 4
+            finally:
+                remote.close()
+        engine.close()

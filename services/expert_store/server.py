@@ -31,7 +31,7 @@ from services.expert_store.core import StoreCore
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertStore"].full_name
-MAX_MESSAGE_BYTES = 256 << 20  # hidden rows of a large batch: 1,024 rows x 7,168 floats is 28 MiB
+MAX_MESSAGE_BYTES = 1 << 30  # as the dense worker's channel: a prefill chunk of a wide model is tens of MB
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
