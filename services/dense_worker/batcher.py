@@ -343,7 +343,11 @@ class Batcher:
         error: BaseException | None = None
         try:
             self.experts.new_step()
-            logits = self.model.step([(s.cache, t) for s, t in rows])  # type: ignore[misc]
+            work = []
+            for seq, t in rows:
+                assert seq.cache is not None  # set by _lookup
+                work.append((seq.cache, t))
+            logits = self.model.step(work)
             with self.clock.measure("sampling"):
                 for (seq, t), lg in zip(rows, logits, strict=True):
                     if seq.prefilling:
