@@ -176,3 +176,76 @@ def test_every_expression_is_valid_promql(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
     r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---- every metric: exported by a service, documented ----------------------------------------
+
+def service_registries() -> dict[str, Any]:
+    """Each service's metrics registry, built the way the service builds it."""
+    from moetier.store.stats import DiskStats, IOStats, TierStats
+    from services.dense_worker.metrics import WorkerMetrics
+    from services.expert_store.metrics import StoreMetrics
+    from services.gateway.metrics import GatewayMetrics
+    from services.router.metrics import RouterMetrics
+
+    def tier_stats() -> TierStats:
+        return TierStats(policy="lru", budget_bytes=1 << 20, hits={1: 0}, misses={1: 0},
+                         prefetch_useful_by_layer={1: 0}, prefetch_wasted_by_layer={1: 0},
+                         io=IOStats(depth=1, disks=[DiskStats("primary", "/x", "primary")]))
+
+    return {"gateway": GatewayMetrics().registry, "router": RouterMetrics().registry,
+            "dense_worker": WorkerMetrics().registry, "expert_store": StoreMetrics(tier_stats, [1], "lru").registry}
+
+
+def exported() -> dict[str, dict[str, str]]:
+    """service -> {metric name as scraped (counters with _total) -> type}, moetier_* only."""
+    out: dict[str, dict[str, str]] = {}
+    for service, registry in service_registries().items():
+        families = {}
+        for fam in registry.collect():
+            if fam.name.startswith("moetier_"):
+                families[fam.name + ("_total" if fam.type == "counter" else "")] = fam.type
+        out[service] = families
+    return out
+
+
+def sample_names(name: str, kind: str) -> set[str]:
+    """The series names Prometheus stores for one metric."""
+    return {f"{name}_bucket", f"{name}_sum", f"{name}_count"} if kind == "histogram" else {name}
+
+
+def test_dashboard_metrics_exist_in_the_services() -> None:
+    series = {s for families in exported().values() for n, k in families.items() for s in sample_names(n, k)}
+    unknown = {f"{board} / {title}: {m}" for board, title, expr in expressions() for m in metric_names(expr)
+               if m not in series}
+    assert not unknown, "dashboard metrics no service exports:\n" + "\n".join(sorted(unknown))
+
+
+def test_metric_names_follow_the_design() -> None:
+    """moetier_<service>_<name>_<unit>: counters end in _total, histograms name their unit."""
+    for service, families in exported().items():
+        for name, kind in families.items():
+            assert re.fullmatch(f"moetier_{service}_[a-z0-9_]+", name), f"{name}: not moetier_{service}_*"
+            if kind == "counter":
+                assert name.endswith("_total"), name
+            if kind == "histogram":
+                assert name.endswith(("_seconds", "_bytes", "_rows", "_sequences", "_tokens")), f"{name}: no unit"
+
+
+def test_every_metric_is_documented() -> None:
+    doc = (ROOT / "docs" / "observability.md").read_text()
+    rows = dict(re.findall(r"^\| `(moetier_[a-z0-9_]+)` \| (\w+) \|", doc, flags=re.M))
+    for service, families in exported().items():
+        for name, kind in families.items():
+            assert name in rows, f"{service}: {name} is not in docs/observability.md"
+            assert rows[name] == kind, f"{name}: documented as {rows[name]}, exported as {kind}"
+    known = {n for families in exported().values() for n in families}
+    assert not set(rows) - known, f"documented but not exported: {sorted(set(rows) - known)}"
+
+
+def test_every_panel_is_documented() -> None:
+    doc = (ROOT / "docs" / "observability.md").read_text()
+    for name, board in dashboards().items():
+        assert f"`{name}`" in doc, name
+        for p in panels(board):
+            assert f"| {p['title']} | {p['type']} |" in doc, f"{name} / {p['title']} is not in docs/observability.md"
