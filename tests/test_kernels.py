@@ -324,3 +324,15 @@ def test_the_contract_exp_is_the_same_everywhere_and_accurate() -> None:
     assert ulps.max() <= 1.5
     assert np.isnan(y[x != x]).all()
     assert (y[x < -86.5] == 0).all() and (y[x > 88.75] == np.inf).all()
+
+
+def test_c_kernels_are_built_where_a_compiler_exists() -> None:
+    """The extension is optional in the install (so a machine without a compiler still
+    installs); where a compiler exists a missing or stale build is a mistake to report."""
+    import shutil
+
+    from moetier.kernels import c_problem
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here: the numba kernels serve")
+    assert c_available(), c_problem()

@@ -6,6 +6,6 @@ arithmetic contract that makes them bit-for-bit row-invariant.
 
 from __future__ import annotations
 
-from moetier.kernels.fast import FastOps, c_available, c_has_simd, default_threads, warmup
+from moetier.kernels.fast import FastOps, c_available, c_has_simd, c_problem, default_threads, warmup
 
-__all__ = ["FastOps", "c_available", "c_has_simd", "default_threads", "warmup"]
+__all__ = ["FastOps", "c_available", "c_has_simd", "c_problem", "default_threads", "warmup"]

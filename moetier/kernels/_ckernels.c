@@ -56,6 +56,19 @@
 #include <sched.h>
 #include <stdatomic.h>
 
+/* Where the compiler supports it, the portable kernels are also built for x86-64 with
+ * AVX2 + FMA (chosen at load time): fmaf becomes one vfmadd either way, so both clones
+ * give the same bits; the AVX2 clone is just vectorised. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define MT_CLONES __attribute__((target_clones("default", "arch=x86-64-v3")))
+#else
+#define MT_CLONES
+#endif
+
+/* Bumped whenever the Python-facing signatures or the arithmetic change; fast.py refuses
+ * a build of another version (a stale in-place build after a pull) and says so. */
+#define MT_KERNELS_VERSION 4
+
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3 };
 #define RB 4 /* output rows per block */
 #define TBMAX 4 /* tokens per tile */
@@ -88,7 +101,7 @@ static inline float f16_to_f32(uint16_t h) {
 }
 
 /* Dequantize row r into buf[0..cols): exactly the reference values. */
-static void dequant_row_generic(const qmat *w, int64_t r, float *buf) {
+MT_CLONES static void dequant_row_generic(const qmat *w, int64_t r, float *buf) {
     const uint8_t *row = w->data + r * w->row_bytes;
     const int64_t C = w->cols;
     switch (w->dtype) {
@@ -105,15 +118,25 @@ static void dequant_row_generic(const qmat *w, int64_t r, float *buf) {
         break;
     case DT_INT8: {
         const uint16_t *s = w->scales + r * w->ngroups;
-        for (int64_t c = 0; c < C; c++) buf[c] = (float)(int8_t)row[c] * f16_to_f32(s[c / w->g]);
+        for (int64_t c0 = 0; c0 < C; c0 += w->g) {
+            const float sc = f16_to_f32(s[c0 / w->g]);
+            const int64_t c1 = c0 + w->g < C ? c0 + w->g : C;
+            for (int64_t c = c0; c < c1; c++) buf[c] = (float)(int8_t)row[c] * sc;
+        }
         break;
     }
     case DT_INT4: {
         const uint16_t *s = w->scales + r * w->ngroups;
-        for (int64_t c = 0; c < C; c++) {
-            uint8_t b = row[c >> 1];
-            int q = (int)((c & 1) ? (b >> 4) : (b & 15)) - 8;
-            buf[c] = (float)q * f16_to_f32(s[c / w->g]);
+        /* whole groups (g is even, so a group is whole bytes); the buffer holds Cp >= C */
+        const int64_t half = w->g / 2;
+        for (int64_t gi = 0; gi < w->ngroups; gi++) {
+            const float sc = f16_to_f32(s[gi]);
+            const uint8_t *q = row + gi * half;
+            float *o = buf + gi * w->g;
+            for (int64_t j = 0; j < half; j++) {
+                o[2 * j] = (float)((int)(q[j] & 15) - 8) * sc;
+                o[2 * j + 1] = (float)((int)(q[j] >> 4) - 8) * sc;
+            }
         }
         break;
     }
@@ -164,21 +187,25 @@ static float hsum16_generic(const float *a) {
 }
 
 /* out[j][i] = dot(xr[j], wr[i], n) for j < tb, i < RB (the contract, portable). */
-static void tile_generic(int tb, const float *const *xr, const float *const *wr, int64_t n,
-                         float out[TBMAX][RB]) {
+MT_CLONES static void tile_generic(int tb, const float *const *xr, const float *const *wr, int64_t n,
+                                   float out[TBMAX][RB]) {
     float acc[TBMAX][RB][16];
     memset(acc, 0, sizeof(acc));
-    for (int64_t k = 0; k < n; k += 16) {
-        for (int l = 0; l < 16; l++) {
-            int64_t c = k + l;
-            for (int j = 0; j < tb; j++) {
-                float xv = c < n ? xr[j][c] : 0.0f;
-                for (int i = 0; i < RB; i++) {
-                    float wv = c < n ? wr[i][c] : 0.0f;
-                    acc[j][i][l] = fmaf(wv, xv, acc[j][i][l]);
-                }
+    const int64_t nfull = n & ~(int64_t)15;
+    for (int64_t k = 0; k < nfull; k += 16)
+        for (int j = 0; j < tb; j++)
+            for (int i = 0; i < RB; i++) {
+                const float *x = xr[j] + k, *w = wr[i] + k;
+                float *a = acc[j][i];
+                for (int l = 0; l < 16; l++) a[l] = fmaf(w[l], x[l], a[l]);
             }
-        }
+    if (nfull < n) { /* the tail chunk: columns >= n read as 0 */
+        for (int j = 0; j < tb; j++)
+            for (int i = 0; i < RB; i++)
+                for (int l = 0; l < 16; l++) {
+                    const int64_t c = nfull + l;
+                    acc[j][i][l] = fmaf(c < n ? wr[i][c] : 0.0f, c < n ? xr[j][c] : 0.0f, acc[j][i][l]);
+                }
     }
     for (int j = 0; j < tb; j++)
         for (int i = 0; i < RB; i++) out[j][i] = hsum16_generic(acc[j][i]);
@@ -193,8 +220,8 @@ static float sum_generic(const float *a, int64_t n) {
 
 /* acc[h][d] = fma(p[h][s], v[s][d], acc[h][d]) for s in [s0, s1), increasing (portable).
  * Callers zero acc first and walk s in increasing blocks: one sequence per element. */
-static void pv_generic(int nh, const float *const *p, const float *v, int64_t vstride, int64_t s0, int64_t s1,
-                       int64_t dv, float *const *acc) {
+MT_CLONES static void pv_generic(int nh, const float *const *p, const float *v, int64_t vstride, int64_t s0,
+                                 int64_t s1, int64_t dv, float *const *acc) {
     for (int64_t s = s0; s < s1; s++) {
         const float *vr = v + s * vstride;
         for (int h = 0; h < nh; h++) {
@@ -719,7 +746,8 @@ static void linear_block(const linear_ctx *k, int64_t r0, float *buf) {
     int64_t rows[RB];
     for (int i = 0; i < RB; i++) rows[i] = r0 + (i < nr ? i : nr - 1);
     if (!k->use_fused)
-        for (int i = 0; i < RB; i++) wr[i] = i < nr ? row_values(k->simd, w, rows[i], buf + i * k->blen) : wr[nr - 1];
+        for (int i = 0; i < RB; i++) /* rows past R repeat the last one (results unused) */
+            wr[i] = (i < nr || i == 0) ? row_values(k->simd, w, rows[i], buf + i * k->blen) : wr[i - 1];
     for (int64_t t0 = 0; t0 < T; t0 += TBMAX) {
         const int tb = (int)(T - t0 < TBMAX ? T - t0 : TBMAX);
         const float *xr[TBMAX];
@@ -1155,4 +1183,11 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_ckernels",
                                     "moetier C kernels (see moetier/kernels/fast.py)", -1, methods,
                                     NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__ckernels(void) { return PyModule_Create(&moddef); }
+PyMODINIT_FUNC PyInit__ckernels(void) {
+    PyObject *m = PyModule_Create(&moddef);
+    if (m && PyModule_AddIntConstant(m, "VERSION", MT_KERNELS_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

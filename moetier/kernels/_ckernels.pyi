@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+VERSION: int
+
 WSpec = tuple[int, np.ndarray, np.ndarray | None, int]
 
 def linear(x: Any, t: int, c: int, r: int, w: WSpec, bias: Any, out: Any, simd: int, threads: int) -> None: ...

@@ -35,17 +35,29 @@ F32 = npt.NDArray[np.float32]
 Backend = Literal["auto", "c", "c-portable", "numba"]
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
 
+C_KERNELS_VERSION = 4  # MT_KERNELS_VERSION in _ckernels.c
+_C: ModuleType | None = None
+_C_PROBLEM = ""
 try:
     from moetier.kernels import _ckernels as _c
 
-    _C: ModuleType | None = _c
+    if getattr(_c, "VERSION", None) == C_KERNELS_VERSION:
+        _C = _c
+    else:
+        _C_PROBLEM = (f"the built C kernels are version {getattr(_c, 'VERSION', None)}, this source is "
+                      f"{C_KERNELS_VERSION}: rebuild with `pip install -e .`")
 except ImportError:  # built by the install; absent when no compiler was available
-    _C = None
+    _C_PROBLEM = "the C kernels are not built (no C compiler at install time?)"
 
 
 def c_available() -> bool:
-    """True when the C extension was built (pip install compiles it)."""
+    """True when the C extension was built (pip install compiles it) from this source."""
     return _C is not None
+
+
+def c_problem() -> str:
+    """Why the C kernels are not in use ("" when they are)."""
+    return _C_PROBLEM
 
 
 def c_simd_level() -> int:
@@ -212,10 +224,10 @@ class FastOps:
         if backend == "auto":
             backend = "c" if _C is not None else "numba"
             if _C is None:
-                log.warning("moetier C kernels are not built; using the numba kernels (same bits, slower)")
+                log.warning("%s; using the numba kernels (same bits, much slower)", _C_PROBLEM)
         if backend in ("c", "c-portable"):
             if _C is None:
-                raise ValueError(f"backend {backend!r}: the C extension moetier.kernels._ckernels is not built")
+                raise ValueError(f"backend {backend!r}: {_C_PROBLEM}")
             self._k: _CBackend | _NumbaBackend = _CBackend(_C, backend == "c", self.threads)
             self.backend = "c-avx512" if backend == "c" and c_has_simd() else "c-portable"
         elif backend == "numba":
