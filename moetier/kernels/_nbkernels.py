@@ -161,7 +161,8 @@ def _sum(a: np.ndarray, n: int, acc: np.ndarray) -> np.float32:
 @njit(cache=True)
 def _dequant_row(data: np.ndarray, scales: np.ndarray, dtype: int, g: int, r: int, cols: int,
                  out: np.ndarray, bits: np.ndarray) -> None:
-    """Row r of a weight given as bytes -> out[0:cols], exactly the reference values.
+    """Row r of a weight given as bytes -> out[0:cols], exactly the reference values
+    (int4 writes whole groups: out[0:Cp]).
 
     bits: a uint32 scratch of >= cols entries (bf16 widening goes through it)."""
     row = data[r]
@@ -174,13 +175,18 @@ def _dequant_row(data: np.ndarray, scales: np.ndarray, dtype: int, g: int, r: in
         out[:cols] = bits.view(np.float32)[:cols]
     elif dtype == DT_INT8:
         q8 = row.view(np.int8)
-        for c in range(cols):
-            out[c] = np.float32(q8[c]) * _f16(int(scales[r, c // g]))
-    else:
-        for c in range(cols):
-            b = int(row[c >> 1])
-            q = ((b >> 4) if c & 1 else (b & 15)) - 8
-            out[c] = np.float32(q) * _f16(int(scales[r, c // g]))
+        for gi in range(scales.shape[1]):
+            sc = _f16(int(scales[r, gi]))
+            for c in range(gi * g, min(cols, (gi + 1) * g)):
+                out[c] = np.float32(q8[c]) * sc
+    else:  # whole groups of whole bytes (g is even); out holds Cp >= C values
+        half = g // 2
+        for gi in range(scales.shape[1]):
+            sc = _f16(int(scales[r, gi]))
+            for j in range(gi * half, (gi + 1) * half):
+                b = int(row[j])
+                out[2 * j] = np.float32((b & 15) - 8) * sc
+                out[2 * j + 1] = np.float32((b >> 4) - 8) * sc
 
 
 @njit(cache=True, parallel=True)
@@ -191,7 +197,7 @@ def linear(x: np.ndarray, data: np.ndarray, scales: np.ndarray, dtype: int, g: i
     R = out.shape[1]
     nb = (R + RB - 1) // RB
     for b in prange(nb):
-        buf = np.empty(cols + LANES, np.float32)
+        buf = np.empty(max(cols, scales.shape[1] * g) + LANES, np.float32)
         bits = np.empty(cols + LANES, np.uint32)
         acc = np.empty(LANES, np.float32)
         for r in range(b * RB, min(R, (b + 1) * RB)):
