@@ -23,7 +23,9 @@
  *
  * Every reduction in this file is one of those two, with n the length of the reduced
  * dimension (C for linear, dq for attention scores, the row's own number of visible keys
- * for the softmax denominator). Every other operation is elementwise IEEE arithmetic.
+ * for the softmax denominator), or a maximum (exact in any order), or the attention
+ * output out[d] = fma(p[s], v[s][d], out[d]) for s = 0, 1, ..., q_pos in order, per
+ * element d. Every other operation is elementwise IEEE arithmetic.
  * Blocking over output rows, tokens, heads or keys, threading, and the choice of code
  * path only decide WHICH accumulator is computed WHEN, never the operations inside one
  * accumulator. Hence row t's bits depend only on row t's inputs.
@@ -32,9 +34,11 @@
  * and an add that the contract does not fuse, and without -ffast-math so nothing is
  * reassociated or approximated.
  *
- * Quantized weights stay quantized in memory: each block of four output rows is
- * dequantized into a small per-thread float buffer (exactly q * scale, the value
- * moetier.weights.quant.dequantize produces), used for every token, and discarded.
+ * Quantized weights stay quantized in memory. For up to four tokens (decode) each
+ * 16-column chunk of four weight rows is dequantized in registers and used at once;
+ * for more tokens each block of four rows is dequantized into a small per-thread buffer
+ * and used by every token. Either way the values are exactly q * scale, what
+ * moetier.weights.quant.dequantize produces; a whole matrix is never expanded.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
