@@ -93,27 +93,15 @@ def int8_agreement(arch: str, containers: dict[tuple[str, str], Path], tmp_path:
     return float(np.mean(f32.argmax(-1) == int8.argmax(-1)))
 
 
-# The issue's int8 criterion, 99% top-1 agreement, is not reached on the tiny synth presets:
-# measured 94.9-97.7% (deepseek_v3 94.9, deepseek_v2 95.7, glm4_moe 97.7, qwen3_moe 97.3,
-# qwen2_moe 96.9, mixtral 96.5, olmoe 97.3). The cause is the random models, not the int8 path:
-# their logits have std 1 over 512 tokens, so the median top-2 gap is 0.2 and a few percent
-# of positions are decided by less than the ~1% logit change any int8 rounding causes
-# (ReferenceOps gives the same agreement; the stored int8 tensors are at the rounding limit,
-# rel RMS 0.0059; int8 experts alone agree 99.2%, int8 dense alone 95.7%, mostly the
-# embedding). Kept strict: it fails loudly the day it passes, e.g. on peaked test models.
-@pytest.mark.xfail(strict=True, reason="random tiny presets have near-tied logits; see the comment above")
+# Issue 2's int8 criterion: top-1 agreement >= 99% over 256 teacher-forced positions. The synth
+# models have a confident readout (moetier.convert.synth.READOUT_ALIGNMENT); with a purely
+# random readout the median top-2 gap is ~0.2 nats and agreement measured 94.9-97.7%, decided
+# by near-ties rather than by the int8 path.
 @pytest.mark.parametrize("arch", hf.ARCHS)
 def test_int8_top1_agreement(arch: str, containers: dict[tuple[str, str], Path], tmp_path: Path) -> None:
     agree = int8_agreement(arch, containers, tmp_path)
+    print(f"{arch}: int8 top-1 agreement {agree:.4f} over {INT8_POSITIONS} positions")
     assert agree >= 0.99, f"{arch}: int8 top-1 agreement {agree:.3f} over {INT8_POSITIONS} positions"
-
-
-@pytest.mark.parametrize("arch", hf.ARCHS)
-def test_int8_agreement_does_not_regress(arch: str, containers: dict[tuple[str, str], Path],
-                                         tmp_path: Path) -> None:
-    """Guard at the measured level (lowest 94.9%, see above): a broken int8 path falls far below."""
-    agree = int8_agreement(arch, containers, tmp_path)
-    assert agree >= 0.94, f"{arch}: int8 top-1 agreement {agree:.3f} over {INT8_POSITIONS} positions"
 
 
 def quant_error(container: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, dict[str, float]]:
