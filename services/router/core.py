@@ -112,6 +112,7 @@ class RouterCore:
         started = time.monotonic()
         budget = self.max_request_s if time_remaining_s is None else min(time_remaining_s, self.max_request_s)
         error: BaseException | None = None
+        finished = False  # the worker sent its last message (finish_reason): the request is complete
         try:
             for attempt in range(1, _ATTEMPTS + 1):
                 lease = await self._acquire(route, budget - (time.monotonic() - started))
@@ -125,6 +126,7 @@ class RouterCore:
                     async with contextlib.aclosing(self.workers.generate(lease, request, remaining)) as stream:
                         async for msg in stream:
                             relayed = True
+                            finished = msg.HasField("finish_reason")
                             yield msg
                     return
                 except WorkerGone as e:
@@ -138,7 +140,8 @@ class RouterCore:
             error = e
             raise
         finally:
-            self.metrics.requests.labels(outcome=_outcome(error)).inc()
+            # A caller that closes the stream after the final message has its answer: "ok".
+            self.metrics.requests.labels(outcome="ok" if finished else _outcome(error)).inc()
             self.metrics.request_time.observe(time.monotonic() - started)
 
     async def _acquire(self, route: Route, budget_s: float) -> Lease:
