@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"expert: {e['dtype']}{g}, D={e['hidden']} I={e['intermediate']}, {e['bytes'] / 1e6:.2f} MB "
           f"(data + scales) [{e['source']}]")
     print(f"working set: {r['experts']} distinct experts, {r['working_set_bytes'] / 2**20:.0f} MiB; "
-          f"FastOps backend {r['backend']}, {r['threads']} threads; best of {r['rounds']} rounds (median)")
+          f"FastOps backend {r['backend']}, threads={r['threads']}; best of {r['rounds']} rounds (median)")
     print(f"memory bandwidth: {r['memory_gbps']:.1f} GB/s ({r['memory_gbps_median']:.1f}) -- {r['memory_method']}")
     print(f"{'batch':>5}  {'FastOps GB/s':>18}  {'of memory':>9}  {'ms/expert':>9}  "
           f"{'ReferenceOps GB/s':>18}  {'speed-up':>8}")
