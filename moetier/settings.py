@@ -92,9 +92,10 @@ class CacheSection(_Section):
                                                      "learned: usage history (persisted) pins the hottest "
                                                      "experts, the rest LRU.")
     history_path: Path | None = Field(None, description="Usage history file of the learned policy; "
-                                      "default data_dir/expert-history.json.")
-    pin_fraction: float = Field(0.5, ge=0.0, le=1.0, description="Share of the budget the learned policy "
-                                "may pin.")
+                                      "default data_dir/history/<store id>.hist.")
+    pin_fraction: float | None = Field(None, ge=0.0, le=1.0, description="Share of the budget the learned "
+                                       "policy pins for its hot set; unset: chosen at run time among plain "
+                                       "LRU, 0.5 and 0.9 by sampled shadow caches.")
 
 
 class InferenceSection(_Section):

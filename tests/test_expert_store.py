@@ -474,7 +474,7 @@ async def test_cancelled_call_leaves_nothing_pinned(model: Path, tmp_path: Path)
 
 async def test_learned_history_saved_periodically_and_on_stop(model: Path, tmp_path: Path) -> None:
     settings = store_settings(model, tmp_path, cache={"policy": "learned"})
-    path = tmp_path / "expert-history.json"
+    path = tmp_path / "history" / "store-t.hist"
     async with running(settings, history_interval_s=0.05) as st:
         assert st.core.tier.config.history_path == path
         await st.compute(2, *batch(np.random.default_rng(11), 1, ids=[[1, 3]]))

@@ -86,7 +86,7 @@ async def test_command_serves_registers_and_stops_on_sigterm(tmp_path: Path) -> 
         out, _ = await asyncio.to_thread(proc.communicate, timeout=20)
         assert proc.returncode == 0, out
         assert "expert store stopping" in out and "expert store stopped" in out
-        assert (tmp_path / "data" / "expert-history.json").is_file()  # saved on the way out
+        assert (tmp_path / "data" / "history" / "store-9.hist").is_file()  # saved on the way out
     finally:
         if proc.poll() is None:
             proc.kill()

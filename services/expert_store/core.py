@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
 
-HISTORY_FILE = "expert-history.json"  # the default documented in settings (cache.history_path)
 
 
 @dataclass(frozen=True)
@@ -137,7 +136,7 @@ def tier_config(settings: Settings, expert_bytes: int) -> TierConfig:
     cache = settings.cache
     history = None
     if cache.policy == "learned":
-        history = cache.history_path or settings.data_path / HISTORY_FILE
+        history = cache.history_path or settings.data_path / "history" / f"{settings.expert_store.id}.hist"
     return TierConfig(budget_bytes=resolve_budget(settings.model.expert_cache, expert_bytes),
                       policy=cache.policy, learned_fraction=cache.pin_fraction, history_path=history,
                       prefetch_limit=settings.storage.prefetch_depth)
