@@ -108,7 +108,9 @@ def create_server(settings: Settings, bind: str = "127.0.0.1:0", *, register: bo
     threads of the step (default: every CPU, see moetier/engine.py)."""
     core = WorkerCore(settings, threads=threads)
     try:
-        server = grpc.aio.server()
+        # One server per port: without this gRPC sets SO_REUSEPORT, and a second server on the
+        # same port would share it silently instead of failing to bind.
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         dense_worker_pb2_grpc.add_DenseWorkerServicer_to_server(DenseWorkerServicer(core), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

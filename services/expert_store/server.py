@@ -113,7 +113,9 @@ def create_server(settings: Settings, bind: str = "127.0.0.1:0", *, register: bo
     per call (default: core.kernel_threads()). history_interval_s: learned policy history saves."""
     core = StoreCore(settings, threads=threads, history_interval_s=history_interval_s)
     try:
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        # One server per port: without this gRPC sets SO_REUSEPORT, and a second server on the
+        # same port would share it silently instead of failing to bind.
+        server = grpc.aio.server(options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
         pb_grpc.add_ExpertStoreServicer_to_server(ExpertStoreServicer(core), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -100,7 +100,9 @@ class RouterServer:
 def create_server(settings: Settings, bind: str = "127.0.0.1:0") -> tuple[RouterServer, int]:
     """A router bound to `bind` (port 0: any free port), not yet started; and its port."""
     core = RouterCore(settings)
-    server = grpc.aio.server()
+    # One server per port: without this gRPC sets SO_REUSEPORT, and a second server on the
+    # same port would share it silently instead of failing to bind.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(core), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
