@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from moetier.bench import models
 from moetier.kernels import FastOps, warmup
 from moetier.model.ops import ReferenceOps, silu
 from moetier.weights.layout import RecordLayout
@@ -37,7 +38,7 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="rows per expert call (default: 1 16)")
     p.add_argument("--model", help="container directory: use its expert shape, dtype and group size "
-                                   "(default: mini-glm int4 g64, D=2048 I=1408)")
+                                   f"(default: the benchmark model's, {models.BENCHMARK_PRESET} int4 g64)")
     p.add_argument("--working-set-mb", type=int, default=1024, help="distinct expert bytes (default 1024)")
     p.add_argument("--rounds", type=int, default=5, help="measurement rounds (default 5)")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all CPUs)")
@@ -56,13 +57,19 @@ class Shape:
     source: str
 
 
-# the benchmark model's routed expert (synth preset mini-glm)
-MINI_GLM = Shape(hidden=2048, intermediate=1408, dtype="int4", group_size=64, source="default (mini-glm)")
+def preset_shape(preset: str = models.BENCHMARK_PRESET) -> Shape:
+    """The routed expert of a synth preset as `benchmark_model` builds it (int4, g64): the
+    shape comes from the preset, so the model need not be built for this benchmark."""
+    from moetier.convert.synth import preset_args
+
+    a = preset_args(preset)
+    return Shape(hidden=a.hidden_size, intermediate=a.moe_intermediate_size, dtype="int4", group_size=64,
+                 source=f"default ({preset})")
 
 
 def _shape(model: str | None) -> Shape:
     if model is None:
-        return MINI_GLM
+        return preset_shape()
     from moetier.weights.container import Container
 
     c = Container.open(model)

@@ -11,8 +11,10 @@ before each store pass. Disks drift over minutes, so the two alternate within on
 run (ABBA order); `ratio` is the median over rounds of store GB/s / fio GB/s (each
 round's two passes are adjacent in time), the ratio of the totals is printed beside it.
 
-Without --model the records are a synthetic set of random bytes written to a
-scratch directory (deleted afterwards unless --dir is given, which also reuses it).
+The records are the benchmark model's (mini-glm, built once under data_dir/models/; see
+moetier.bench.models) unless --model names another container, or --synthetic / --dir ask
+for a synthetic set of random bytes written to a scratch directory (deleted afterwards
+unless --dir is given, which also reuses it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import Any
 
+from moetier.bench import models
 from moetier.errors import InvalidArgument
 from moetier.store.buffers import Buffer, Holder
 from moetier.store.index import ExpertIndex, ExpertKey, open_index
@@ -47,16 +50,18 @@ def register(sub: Any) -> None:
         "io", help="cold expert record reads (store I/O engine) beside fio, same block size and depth")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--model", help="container (or record set) directory whose expert files are read "
-                                   "(default: a synthetic record set)")
+                                   f"(default: the benchmark model, {models.BENCHMARK_PRESET})")
+    p.add_argument("--config", type=Path, help="YAML config file (data_dir: where the benchmark model lives)")
+    p.add_argument("--synthetic", action="store_true", help="read a synthetic record set instead of a model")
     p.add_argument("--depth", type=int, default=8, help="queue depth: reads in flight (default 8)")
     p.add_argument("--records", type=int, default=128, help="records read per pass (default 128)")
     p.add_argument("--rounds", type=int, default=10, help="store/fio pass pairs, alternating order (default 10)")
     p.add_argument("--record-bytes", type=int, default=4 << 20,
-                   help="synthetic record size (default 4 MiB; ignored with --model)")
+                   help="synthetic record size (default 4 MiB)")
     p.add_argument("--set-records", type=int, default=256,
                    help="records in the synthetic set (default 256 = 1 GiB of 4 MiB records)")
-    p.add_argument("--dir", help="where the synthetic set lives (kept and reused; default: a temporary "
-                                 "directory, deleted afterwards)")
+    p.add_argument("--dir", help="where the synthetic set lives (implies --synthetic; kept and reused; "
+                                 "default: a temporary directory, deleted afterwards)")
     p.add_argument("--fio-engine", default="libaio", choices=["libaio", "psync"],
                    help="fio ioengine: libaio with iodepth N, or psync with N jobs (default libaio)")
     p.set_defaults(func=run)
@@ -72,9 +77,12 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument("--depth, --records and --rounds must be >= 1")
     scratch: Path | None = None
     try:
-        if args.model:
-            index = open_index(args.model)
-            source = f"container {args.model}"
+        if args.model and (args.synthetic or args.dir):
+            raise InvalidArgument("--model reads a container's records; --synthetic and --dir a synthetic set")
+        if not (args.synthetic or args.dir):
+            model = models.resolve_model(args) if not args.model else Path(args.model)
+            index = open_index(model)
+            source = f"container {model}"
         else:
             base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="moetier-bench-io-"))
             scratch = None if args.dir else base

@@ -1,0 +1,132 @@
+"""The benchmark commands run end to end on the tiny synth model with tiny sizes and print one
+JSON object with their documented keys; the benchmark model is built once and reused.
+Smoke tests only: figures are measured by `moetier bench ...`, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moetier.bench import models
+from moetier.cli import main
+from moetier.errors import InvalidArgument
+from moetier.settings import load_settings
+
+pytestmark = pytest.mark.timeout(60)
+
+TINY = "tiny-deepseek_v3"
+needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("bench")
+    cfg = root / "cfg.yml"
+    cfg.write_text(f"data_dir: {root / 'data'}\n")
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tiny(config: Path) -> Path:
+    return models.benchmark_model(TINY, load_settings(config), say=False)
+
+
+def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, Any]:
+    capsys.readouterr()
+    assert main(argv) == 0
+    out: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return out
+
+
+def test_benchmark_model_built_once_then_reused(config: Path, tiny: Path) -> None:
+    settings = load_settings(config)
+    assert tiny == settings.data_path / "models" / TINY and models.is_complete(tiny)
+    stamp = (tiny / "moetier.json").stat().st_mtime_ns
+    assert models.benchmark_model(TINY, settings, say=False) == tiny
+    assert (tiny / "moetier.json").stat().st_mtime_ns == stamp  # not rebuilt
+    assert not list(tiny.parent.glob(f".{TINY}.tmp-*"))  # no build left behind
+
+
+def test_benchmark_model_rebuilds_an_interrupted_build_and_refuses_another_preset(tmp_path: Path) -> None:
+    settings = load_settings(overrides={"data_dir": str(tmp_path)}, environ={})
+    half = tmp_path / "models" / "tiny-olmoe"
+    half.mkdir(parents=True)
+    (half / "leftover").write_text("an interrupted build")
+    built = models.benchmark_model("tiny-olmoe", settings, say=False)
+    assert models.is_complete(built) and not (built / "leftover").exists()
+    shutil.copytree(built, tmp_path / "models" / "tiny-mixtral")
+    with pytest.raises(InvalidArgument, match="tiny-olmoe"):
+        models.benchmark_model("tiny-mixtral", settings, say=False)
+
+
+def test_prompt_ids_are_shipped_text(tiny: Path) -> None:
+    from moetier.text.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_dir(tiny)
+    ids = models.prompt_ids(tok, 3000)
+    assert len(ids) == 3000 and ids[:50] == tok.encode(models.shipped_text(0))[:50]
+
+
+@needs_fio
+def test_bench_io_on_a_model(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_json(capsys, ["bench", "io", "--json", "--model", str(tiny), "--records", "8", "--rounds", "2",
+                          "--depth", "2"])
+    assert {"ratio", "store_gbps", "fio_gbps", "record_bytes", "rounds", "target"} <= set(r)
+    assert r["source"] == f"container {tiny}" and len(r["rounds"]) == 2 and r["checksum_failures"] == 0
+
+
+def test_bench_compute_on_a_model(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_json(capsys, ["bench", "compute", "--json", "--model", str(tiny), "--working-set-mb", "2",
+                          "--copy-mb", "8", "--rounds", "1", "--batch", "1", "--ref-experts", "1"])
+    assert r["ratio"] == pytest.approx(r["batch"]["1"]["fraction_of_memory"])
+    assert r["expert"]["hidden"] == 64 and r["memory_gbps"] > 0
+
+
+def test_bench_compute_default_shape_is_the_benchmark_models() -> None:
+    from moetier.bench.compute import preset_shape
+    from moetier.convert.synth import preset_args
+
+    a = preset_args(models.BENCHMARK_PRESET)
+    s = preset_shape()
+    assert (s.hidden, s.intermediate, s.dtype, s.group_size) == (a.hidden_size, a.moe_intermediate_size, "int4", 64)
+
+
+def test_bench_cache_records_model_traces_once(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "cache", "--json", "--model", str(tiny), "--prompt-tokens", "24", "--tokens", "8",
+            "--steps", "30", "--layers", "3", "--experts", "16", "--top-k", "2", "--batch", "2"]
+    r = run_json(capsys, argv)
+    assert [t["name"] for t in r["traces"]] == [TINY, "zipf", "temporal"]
+    assert r["ratio_trace"] == TINY and 0 < r["ratio"] <= 1 and r["ratio_policy"] in ("lru", "lfu", "learned")
+    assert isinstance(r["learned_ge_lru"], bool)
+    for t in r["traces"]:
+        assert set(t["hit_rate"]) == {"lru", "lfu", "learned", "learned+history", "belady"}
+        assert all(len(v) == len(r["sizes"]) for v in t["hit_rate"].values())
+    files = sorted(tiny.parent.glob(f"{TINY}.routing-p24-g8-*.npz"))
+    assert len(files) == len(models.TRACE_TEXTS)  # kept next to the model
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert run_json(capsys, argv)["traces"][0]["accesses"] == r["traces"][0]["accesses"]
+    assert [f.stat().st_mtime_ns for f in files] == stamps  # read back, not recorded again
+
+
+@needs_fio
+def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_json(capsys, ["bench", "e2e", "--json", "--model", str(tiny), "--budget", "100%", "--tokens", "3",
+                          "--prompt-tokens", "6", "--rounds", "2", "--fio-records", "4", "--copy-mb", "8"])
+    assert {"hop_overhead", "ratio", "target", "tokens_match", "fio_gbps", "memory_gbps", "engine", "cluster",
+            "rounds", "dense_step_bytes", "record_bytes"} <= set(r)
+    assert r["ratio"] == r["hop_overhead"] > 0 and len(r["hop_overhead_rounds"]) == 2
+    assert r["tokens_match"] is True  # temperature 0: the cluster computes the engine's tokens
+    assert [x["order"] for x in r["rounds"]] == [["engine", "cluster"], ["cluster", "engine"]]
+    for kind in ("engine", "cluster"):
+        for phase in ("cold", "warm"):
+            p = r[kind][phase]
+            for key in ("ttft_s", "decode_tok_s", "s_per_token", "bound_s", "disk_bound_s", "memory_bound_s",
+                        "hit_rate", "missed_mb_per_token", "touched_mb_per_token", "prefetch_recall"):
+                assert set(p[key]) == {"median", "min", "max"}, key
+            assert p["touched_mb_per_token"]["min"] > 0
+    assert set(r["cluster"]["warm"]["hops"]) == {"worker_step_s", "worker_expert_wait_s", "store_s", "rpc_hop_s",
+                                                  "stream_hop_s"}
