@@ -8,9 +8,12 @@ environment variables. tests/test_compose.py holds the two in step.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,11 +44,17 @@ COMMANDS: dict[str, list[str]] = {
 }
 
 
+def say(text: str) -> None:
+    """`moetier up`'s own lines: flushed at once, so a pipe or a log file sees them as they happen."""
+    print(text, flush=True)
+
+
 @dataclass
 class ServiceSpec:
     name: str
     argv: list[str]  # arguments after the `moetier` executable
     env: dict[str, str]  # MOETIER_* variables the service gets on top of the parent's environment
+    health_argv: list[str]  # the same health check as a command (`moetier health ...`), as compose runs it
     health: Callable[[], bool] = field(repr=False)
 
 
@@ -53,8 +62,9 @@ def demo_model_dir(settings: Settings) -> Path:
     return settings.data_path / "models" / DEMO_PRESET
 
 
-def ensure_model(settings: Settings, echo: Callable[[str], None] = print) -> Path:
-    """The container to serve: settings.model.path, else the demo model (built once)."""
+def ensure_model(settings: Settings, echo: Callable[[str], None] = say) -> Path:
+    """The container to serve: settings.model.path, else the demo model (built once, atomically:
+    an interrupted build is never taken for a model)."""
     if settings.model.path is not None:
         path = settings.model.path.expanduser()
         if not (path / "moetier.json").exists():
@@ -62,13 +72,12 @@ def ensure_model(settings: Settings, echo: Callable[[str], None] = print) -> Pat
                 path / "config.json").exists() else ""
             raise MoetierError(f"{path} is not a moetier container: no moetier.json{hint}")
         return path
-    path = demo_model_dir(settings)
-    if not (path / "moetier.json").exists():
-        from moetier.convert.synth import write_container
+    from moetier.engine import ensure_demo_model
 
+    path = demo_model_dir(settings)
+    if not (path / "moetier.json").is_file():
         echo(f"moetier: building the demo model in {path} (once; a few seconds)")
-        write_container(DEMO_PRESET, path, 0, settings.model.experts, settings.model.dense, progress=True)
-    return path
+    return ensure_demo_model(settings, say=False)
 
 
 def grpc_healthy(address: str, timeout_s: float = 1.0) -> bool:
@@ -103,17 +112,61 @@ def service_specs(settings: Settings, model_dir: Path, config: Path | None) -> l
     specs = []
     for name in SERVICES:
         if name == "gateway":
-            health = partial(http_healthy, gateway_url(settings) + "/health")
+            url = gateway_url(settings) + "/health"
+            health_argv, health = ["health", "--http", url], partial(http_healthy, url)
         else:
-            health = partial(grpc_healthy, getattr(settings, name).address)
-        specs.append(ServiceSpec(name, [*COMMANDS[name], *extra], dict(env), health))
+            address = getattr(settings, name).address
+            health_argv, health = ["health", address], partial(grpc_healthy, address)
+        specs.append(ServiceSpec(name, [*COMMANDS[name], *extra], dict(env), health_argv, health))
     return specs
+
+
+def listen_addresses(settings: Settings) -> dict[str, tuple[str, int]]:
+    """Every (host, port) the four services listen on, by what listens there."""
+    out: dict[str, tuple[str, int]] = {}
+    for name in SERVICES:
+        if name == "gateway":
+            host, _, port = settings.gateway.bind.rpartition(":")
+            out["gateway"] = (host.strip("[]"), int(port))
+            continue
+        ep = getattr(settings, name)
+        host, _, port = ep.bind.rpartition(":")
+        out[name] = (host.strip("[]"), int(port))
+        if ep.metrics_port:
+            out[f"{name} metrics"] = (host.strip("[]"), ep.metrics_port)
+    return out
+
+
+def busy_ports(settings: Settings) -> list[str]:
+    """The listen addresses something else already holds (another `moetier up`, say). Checked
+    before starting anything: gRPC servers may share a port with SO_REUSEPORT, and a health
+    check answered by someone else's service must not pass for ours."""
+    busy = []
+    for what, (host, port) in listen_addresses(settings).items():
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are not "busy"
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                busy.append(f"{what} {host}:{port} ({e.strerror})")
+    return busy
+
+
+def curl_command(settings: Settings, model: str) -> str:
+    """A one-line chat request that works against this cluster, for copying into a shell."""
+    body = {"model": model, "max_tokens": 32, "messages": [{"role": "user", "content": "Hello"}]}
+    auth = ' -H "Authorization: Bearer $MOETIER_GATEWAY__API_KEY"' if settings.gateway.api_key else ""
+    return (f"curl {gateway_url(settings)}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d {shlex.quote(json.dumps(body))}")
 
 
 class Supervisor:
     """Owns the child processes: start in order, wait for health, stop in reverse."""
 
-    def __init__(self, log_dir: Path, echo: Callable[[str], None] = print) -> None:
+    def __init__(self, log_dir: Path, echo: Callable[[str], None] = say) -> None:
         self.log_dir = log_dir
         self.echo = echo
         self.procs: list[tuple[ServiceSpec, subprocess.Popen[bytes], Path]] = []
@@ -132,14 +185,18 @@ class Supervisor:
         self.procs.append((spec, p, log_path))
         return p
 
-    def wait_healthy(self, spec: ServiceSpec, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    def wait_healthy(self, spec: ServiceSpec, proc: subprocess.Popen[bytes], timeout_s: float,
+                     cancelled: Callable[[], bool] = lambda: False) -> bool:
+        """True once healthy; False when `cancelled()` (a signal) ends the wait first."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if cancelled():
+                return False
             if proc.poll() is not None:
                 raise Unavailable(f"{spec.name} exited with code {proc.returncode} during start-up\n"
                                   + self.tail(spec.name))
             if spec.health():
-                return
+                return True
             time.sleep(0.2)
         raise Unavailable(f"{spec.name} not healthy after {timeout_s:.0f} s\n" + self.tail(spec.name))
 
@@ -157,7 +214,9 @@ class Supervisor:
                 return spec, int(p.returncode)
         return None
 
-    def stop_all(self, grace_s: float = 10.0) -> None:
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        """SIGTERM in reverse start order, each given `grace_s` (the gateway drains streams for
+        up to 10 s) before SIGKILL."""
         for spec, p, _ in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -173,8 +232,15 @@ class Supervisor:
 
 
 def run_cluster(settings: Settings, config: Path | None, *, start_timeout_s: float = 180.0,
-                echo: Callable[[str], None] = print, until: Callable[[], bool] | None = None) -> int:
-    """Start everything, wait for health, then supervise until a signal (or `until()` is true)."""
+                echo: Callable[[str], None] = say, until: Callable[[], bool] | None = None) -> int:
+    """Start everything, wait for health, then supervise until a signal (or `until()` is true).
+
+    0 after SIGINT, SIGTERM or SIGHUP (every child stopped); 1 when a child exits on its own
+    (the others are stopped, its log's last lines printed); MoetierError when the start fails."""
+    busy = busy_ports(settings)
+    if busy:
+        raise Unavailable("ports in use (another `moetier up`? stop it, or choose other ports in a --config "
+                          "file, see docs/config.md): " + "; ".join(busy))
     model_dir = ensure_model(settings, echo)
     sup = Supervisor(settings.data_path / "logs", echo)
     stopping = False
@@ -183,20 +249,19 @@ def run_cluster(settings: Settings, config: Path | None, *, start_timeout_s: flo
         nonlocal stopping
         stopping = True
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too: the children run in sessions of their own, so a closed terminal reaches only us.
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         for spec in service_specs(settings, model_dir, config):
             proc = sup.start(spec)
-            sup.wait_healthy(spec, proc, start_timeout_s)
-            echo(f"moetier: {spec.name:<12} ready  (log: {sup.log_dir / (spec.name + '.log')})")
-            if stopping:
+            if not sup.wait_healthy(spec, proc, start_timeout_s, cancelled=lambda: stopping):
                 break
+            echo(f"moetier: {spec.name:<12} ready  (pid {proc.pid}, log: {sup.log_dir / (spec.name + '.log')})")
         if not stopping:
             url = gateway_url(settings)
             name = settings.model.name or model_dir.name
             echo(f"moetier is up: {url}/v1  (model {name!r}; dashboard {url}/dashboard)")
-            echo(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-                 f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'")
+            echo("  " + curl_command(settings, name))
             echo("Ctrl-C stops all services.")
         while not stopping and not (until and until()):
             dead = sup.dead()
@@ -204,10 +269,11 @@ def run_cluster(settings: Settings, config: Path | None, *, start_timeout_s: flo
                 spec, code = dead
                 echo(f"moetier: {spec.name} exited with code {code}; stopping the others\n" + sup.tail(spec.name))
                 return 1
-            time.sleep(0.5)
+            time.sleep(0.2)
         return 0
     finally:
         echo("moetier: stopping")
         sup.stop_all()
+        echo("moetier: stopped")
         for s, h in old.items():
             signal.signal(s, h)
