@@ -77,6 +77,12 @@ def children_of(pid: int) -> set[int]:
     return out
 
 
+def service_children(pid: int) -> set[int]:
+    """children_of(pid) less multiprocessing's resource tracker (left by the demo model's
+    parallel build; it exits with its parent)."""
+    return {c for c in children_of(pid) if "multiprocessing.resource_tracker" not in _cmdline(c)}
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -187,5 +193,15 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-__all__ = ["SERVICES", "Up", "alive", "children_of", "eventually", "metrics", "moetier_argv", "moetier_up",
-           "write_config"]
+__all__ = [
+    "SERVICES",
+    "Up",
+    "alive",
+    "children_of",
+    "eventually",
+    "metrics",
+    "moetier_argv",
+    "moetier_up",
+    "service_children",
+    "write_config",
+]

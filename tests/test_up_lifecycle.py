@@ -1,0 +1,143 @@
+"""`moetier up` as a process supervisor: the first start builds the demo model and the second
+reuses it; SIGINT and SIGTERM stop all four children (their pids, as printed and as /proc
+knows them, are gone afterwards); a child that dies takes the others down and `moetier up`
+exits non-zero with its log tail; a signal during start-up stops what was started; busy ports
+are refused before anything starts. The tests share one data_dir and run in file order."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers_up import (
+    SERVICES,
+    Up,
+    alive,
+    children_of,
+    moetier_argv,
+    moetier_up,
+    service_children,
+    write_config,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lifecycle")
+
+
+def demo_manifest(root: Path) -> Path:
+    return root / "data" / "models" / "demo" / "moetier.json"
+
+
+def started(up: Up) -> dict[str, int]:
+    """Wait for the cluster. Every child of `moetier up` by pid (as /proc knows them): the four
+    services, whose pids must be the ones it printed, and any helper of its own."""
+    up.wait_up(180)
+    pids = up.pids()
+    assert sorted(pids) == sorted(SERVICES), up.output()
+    assert set(pids.values()) == service_children(up.proc.pid), "moetier up's children are not the ones it printed"
+    assert all(alive(p) for p in pids.values())
+    return {**{str(p): p for p in children_of(up.proc.pid)}, **pids}
+
+
+def assert_all_gone(pids: dict[str, int]) -> None:
+    left = {name: pid for name, pid in pids.items() if alive(pid)}
+    assert not left, f"processes left running: {left}"
+
+
+def chat(up: Up) -> None:
+    r = httpx.post(f"{up.url}/v1/chat/completions", timeout=60,
+                   json={"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200, r.text
+
+
+def test_first_start_builds_the_demo_model_and_sigint_stops_every_child(root: Path) -> None:
+    config, ports = write_config(root)
+    with moetier_up(config, ports) as up:
+        pids = started(up)
+        assert "moetier: building the demo model in" in up.output()
+        assert json.loads(demo_manifest(root).read_text())["source"]["preset"] == "demo"
+        curl = up.wait_for(r"^\s+(curl .*)$", 0).group(1)
+        assert "Authorization" not in curl  # no key set
+        if shutil.which("curl"):
+            r = subprocess.run(["bash", "-c", curl + " --silent --show-error --max-time 60"], capture_output=True,
+                               text=True, timeout=90)
+            assert r.returncode == 0 and json.loads(r.stdout)["object"] == "chat.completion", r.stdout + r.stderr
+        else:
+            chat(up)
+        assert up.stop(signal.SIGINT) == 0, up.output()
+        assert_all_gone(pids)
+        assert up.output().splitlines()[-1] == "moetier: stopped"
+
+
+def test_second_start_reuses_the_demo_model_and_sigterm_stops_every_child(root: Path) -> None:
+    manifest = demo_manifest(root)
+    if not manifest.exists():
+        pytest.skip("runs after test_first_start_builds_the_demo_model_and_sigint_stops_every_child")
+    before = manifest.stat().st_mtime_ns
+    config, ports = write_config(root)
+    with moetier_up(config, ports) as up:
+        pids = started(up)
+        assert "building the demo model" not in up.output()
+        chat(up)
+        assert up.stop(signal.SIGTERM) == 0, up.output()
+        assert_all_gone(pids)
+    assert manifest.stat().st_mtime_ns == before
+
+
+def test_a_child_that_dies_stops_the_others_and_fails_with_its_log(root: Path) -> None:
+    config, ports = write_config(root)
+    with moetier_up(config, ports) as up:
+        pids = started(up)
+        os.kill(pids["dense_worker"], signal.SIGKILL)
+        assert up.wait_exit(60) == 1, up.output()
+        out = up.output()
+        assert f"moetier: dense_worker exited with code {-signal.SIGKILL}; stopping the others" in out
+        assert f"--- last lines of {up.data_dir / 'logs' / 'dense_worker.log'} ---" in out
+        assert "dense worker serving on" in out  # the tail itself
+        assert_all_gone(pids)
+
+
+def test_a_signal_during_start_up_stops_what_was_started(root: Path) -> None:
+    config, ports = write_config(root)
+    with moetier_up(config, ports) as up:
+        up.wait_for(r"^moetier: router\s+ready", 120)
+        children = children_of(up.proc.pid)  # the router, and the expert store starting
+        assert children
+        up.proc.send_signal(signal.SIGINT)
+        assert up.wait_exit(60) == 0, up.output()
+        assert "moetier is up" not in up.output()
+        assert_all_gone({str(pid): pid for pid in children})
+
+
+def test_busy_ports_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    config, ports = write_config(tmp_path)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", ports["gateway"]))
+        holder.listen()
+        r = subprocess.run([*moetier_argv(), "up", "--config", str(config)], capture_output=True, text=True,
+                           timeout=60, env={k: v for k, v in os.environ.items() if not k.startswith("MOETIER_")})
+    assert r.returncode == 1
+    assert f"gateway 127.0.0.1:{ports['gateway']}" in r.stderr and "ports in use" in r.stderr, r.stderr
+    assert not (tmp_path / "data").exists()  # no model built, no child started
+
+
+def test_a_directory_that_is_not_a_container_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    config, _ = write_config(tmp_path / "c")
+    r = subprocess.run([*moetier_argv(), "up", "--config", str(config), "--model", str(tmp_path / "hf")],
+                       capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("MOETIER_")})
+    assert r.returncode == 1 and "moetier convert SRC OUT" in r.stderr, r.stderr
+
