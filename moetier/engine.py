@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from moetier.errors import InvalidArgument, ResourceExhausted
+from moetier.errors import InvalidArgument
 from moetier.kernels.fast import FastOps
 from moetier.model.forward import Model
 from moetier.model.generate import GeneratedToken, generate, teacher_forced_logits
@@ -49,7 +49,6 @@ from moetier.weights.quant import QTensor
 log = logging.getLogger(__name__)
 
 F32 = npt.NDArray[np.float32]
-I32 = npt.NDArray[np.int32]
 
 DEFAULT_THREADS: int | None = None  # FastOps' default; see the module docstring
 DEMO_PRESET = "demo"
@@ -73,43 +72,6 @@ def make_ops(reference: bool = False, threads: int | None = None) -> Ops:
     return FastOps(threads=threads if threads is not None else DEFAULT_THREADS)
 
 
-class FittingExperts:
-    """TieredExperts for any budget: a step whose rows route to more experts than the tier can
-    hold at once is computed in consecutive row groups whose expert unions fit. The expert
-    kernels are row-invariant, so the split changes no bit of the result (only how often
-    experts are read)."""
-
-    def __init__(self, inner: TieredExperts) -> None:
-        self.inner = inner
-        self.capacity = inner.tier.capacity  # records the budget holds
-
-    def moe(self, layer: int, x: F32, ids: I32, weights: F32) -> F32:
-        """x [T, D], ids/weights [T, K] -> [T, D]."""
-        if len(np.unique(ids)) <= self.capacity:
-            return self.inner.moe(layer, x, ids, weights)
-        out = np.empty_like(x)  # [T, D]
-        for a, b in self._groups(layer, ids):
-            out[a:b] = self.inner.moe(layer, np.ascontiguousarray(x[a:b]), np.ascontiguousarray(ids[a:b]),
-                                      np.ascontiguousarray(weights[a:b]))
-        return out
-
-    def _groups(self, layer: int, ids: I32) -> Iterator[tuple[int, int]]:
-        start, union = 0, set[int]()
-        for t, row in enumerate(ids.tolist()):
-            need = set(row)
-            if len(need) > self.capacity:
-                raise ResourceExhausted(f"layer {layer}: one token routes to {len(need)} experts, more than the "
-                                        f"{self.capacity} the expert budget holds; raise the budget")
-            if len(union | need) > self.capacity:
-                yield start, t
-                start, union = t, set()
-            union |= need
-        yield start, len(ids)
-
-    def prefetch(self, layer: int, ids: I32) -> None:
-        self.inner.prefetch(layer, ids)
-
-
 class Engine:
     """A container's model in this process: resident dense part, tiered experts, one Model."""
 
@@ -130,11 +92,11 @@ class Engine:
             budget_bytes = resolve_budget(str(budget), container.expert_bytes)
             layer_bytes = container.args.n_routed_experts * container.layout.record_bytes
             if budget_bytes < layer_bytes:
-                log.info("expert budget %d bytes holds less than one MoE layer's experts (%d bytes): large "
-                         "steps run their experts in row groups", budget_bytes, layer_bytes)
+                log.info("expert budget %d bytes holds less than one MoE layer's experts (%d bytes): a step "
+                         "routing to more experts than fit computes them in waves", budget_bytes, layer_bytes)
             experts = TieredExperts.open(container, ops, TierConfig(budget_bytes=budget_bytes, policy=policy),
                                          direct=direct)
-            model = Model(container.args, load_dense(container), ops, FittingExperts(experts))
+            model = Model(container.args, load_dense(container), ops, experts)
         except BaseException:
             container.close()
             raise

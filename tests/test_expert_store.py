@@ -285,7 +285,7 @@ async def test_resident_bytes_never_exceed_the_budget(model: Path, tmp_path: Pat
             reqs = [(pick.choice(LAYERS), batch(rng, pick.randint(1, 3))) for _ in range(pick.randint(1, 3))]
             results = await asyncio.gather(*(st.compute(layer, *b) for layer, b in reqs), return_exceptions=True)
             for (layer, b), r in zip(reqs, results, strict=True):
-                if isinstance(r, grpc.aio.AioRpcError):  # a union over the budget, or pinned out of room
+                if isinstance(r, grpc.aio.AioRpcError):  # other calls' pins left no room for pin_wait_s
                     assert r.code() == EXHAUSTED and "budget of 40960 bytes" in r.details(), r.details()
                 else:
                     assert isinstance(r, pb.ComputeExpertsResponse)
@@ -297,15 +297,24 @@ async def test_resident_bytes_never_exceed_the_budget(model: Path, tmp_path: Pat
         assert st.core.tier.stats().evictions > 0
 
 
-async def test_union_over_the_budget_is_resource_exhausted_with_the_numbers(model: Path, tmp_path: Path) -> None:
+async def test_no_room_left_by_pinned_computes_is_resource_exhausted_with_the_numbers(
+        model: Path, tmp_path: Path) -> None:
+    """A union larger than the budget is computed in waves (test_expert_store_waves.py); what is
+    refused is a wave that finds the budget pinned by running computes for pin_wait_s."""
     async with running(store_settings(model, tmp_path, model={"expert_cache": str(5 * REC)})) as st:
-        x, ids, w = batch(np.random.default_rng(6), 3, ids=[[0, 1], [2, 3], [4, 5]])
-        err = await rpc_error(st.compute(1, x, ids, w))
+        held = await st.core.tier.apin(1, [4, 5, 6, 7])  # a running compute's pins
+        try:
+            x, ids, w = batch(np.random.default_rng(6), 3, ids=[[0, 1], [2, 3], [3, 0]])
+            err = await rpc_error(st.compute(1, x, ids, w))
+        finally:
+            held.release()
         assert err.code() == EXHAUSTED
-        assert "layer 1: the batch needs 6 experts (49152 bytes) at once" in err.details()
-        assert "budget of 40960 bytes" in err.details()
+        assert "budget of 40960 bytes exhausted: 32768 bytes pinned by running computes" in err.details()
+        assert "layer 1 needs 32768 more bytes for 4 experts" in err.details()
         assert any(k == RETRY_AFTER_KEY for k, _ in err.trailing_metadata() or ())
         assert st.metric("moetier_expert_store_compute_errors_total", code="resource_exhausted") == 1
+        r = await st.compute(1, x, ids, w)  # the pins gone, the same call is served
+        assert np.array_equal(from_pb(r.output, "output"), expected(model, 1, x, ids, w))
 
 
 # ---- validation -------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moetier.kernels import FastOps, c_available, warmup
-from moetier.model.ops import ReferenceOps
+from moetier.model.ops import ReferenceOps, combine_slots
 from moetier.weights.quant import ExpertWeights, QTensor, quantize
 
 BACKENDS = ["c", "c-portable", "numba"] if c_available() else ["numba"]
@@ -193,6 +193,38 @@ def test_moe_rows_do_not_depend_on_companions(ops: FastOps) -> None:
             xb = np.concatenate([x[pick], others])
             got = ops.moe(xb, np.concatenate([ids[pick], oid]), np.concatenate([wts[pick], wts[:3]]), ex)
             assert same_bits(got[:n], full[pick]), (k, n)
+
+
+def test_moe_in_waves_of_experts_gives_the_same_bits(ops: FastOps) -> None:
+    """`moe` is exactly `expert_outputs` over every routed expert, then `combine_slots`: the
+    experts given in any waves (any partition, any order) fill the [T, K, D] slots with the
+    same bits, and the combine of those slots is `moe`'s result. So is the reference's."""
+    rng = np.random.default_rng(23)
+    d, i, ne = 80, 40, 7
+    ex = experts_of(rng, ne, d, i, "int4", 16)
+    for t, k in ((1, 3), (13, 2), (21, 5)):
+        x = rand(rng, t, d)
+        ids = np.stack([rng.permutation(ne)[:k] for _ in range(t)]).astype(np.int32)
+        ids[0, -1] = ids[0, 0]  # a duplicate id in a row
+        wts = rng.random((t, k), dtype=np.float32)
+        for o in (ops, REF):
+            full = o.moe(x, ids, wts, ex)
+            for size in (1, 2, 3):
+                order = rng.permutation(ne).tolist()
+                slots = np.full((t, k, d), np.nan, dtype=np.float32)
+                for a in range(0, ne, size):
+                    o.expert_outputs(x, ids, {e: ex[e] for e in order[a : a + size]}, slots)
+                assert not np.isnan(slots).any()
+                assert same_bits(combine_slots(slots, wts), full), (t, k, size)
+    # slots of experts not given are left as they are
+    slots = np.full((t, k, d), 7.0, dtype=np.float32)
+    ops.expert_outputs(x, ids, {int(ids[0, 0]): ex[int(ids[0, 0])]}, slots)
+    routed = ids == ids[0, 0]
+    assert (slots[~routed] == 7.0).all() and not (slots[routed] == 7.0).all()
+    with pytest.raises(ValueError, match=r"out must be a writeable C-contiguous float32 \(21, 5, 80\)"):
+        ops.expert_outputs(x, ids, ex, np.zeros((t, k, d), np.float64))
+    with pytest.raises(ValueError, match=r"out must be"):
+        ops.expert_outputs(x, ids, ex, np.zeros((t, d, k), np.float32).transpose(0, 2, 1))
 
 
 # ---------------------------------------------------------------- backends agree bit for bit

@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.kernels import _nbkernels as nb
+from moetier.model.ops import combine_slots
 from moetier.weights.quant import QDTYPES, ExpertWeights, QTensor
 
 log = logging.getLogger(__name__)
@@ -316,38 +317,65 @@ class FastOps:
 
         Rows routed to one expert are computed in one call; each row's result is
         independent of its companions (the linear kernels are row-invariant) and the
-        combine is elementwise, in k order, exactly as the reference writes it.
+        combine is elementwise, in k order, exactly as the reference writes it
+        (`combine_slots`). Exactly `expert_outputs` over every routed expert, then
+        `combine_slots`: computing the experts in waves gives the same bits.
         """
-        x = _f32(x, "x")
-        ids_a = np.asarray(ids)
+        x, ids_a = self._moe_rows(x, ids, "moe")
         weights = _f32(weights, "weights")
-        if x.ndim != 2 or ids_a.ndim != 2 or ids_a.shape[0] != x.shape[0] or weights.shape != ids_a.shape:
+        if weights.shape != ids_a.shape:
             raise ValueError(f"moe: want x [T, D], ids [T, K], weights [T, K]; got x {x.shape}, "
                              f"ids {ids_a.shape}, weights {weights.shape}")
+        for e in np.unique(ids_a).tolist():
+            if e not in experts:
+                raise ValueError(f"moe: expert {e} is routed to but not among the {len(experts)} experts given")
+        ys = np.zeros((*ids_a.shape, x.shape[1]), dtype=np.float32)  # [T, K, D]
+        self._expert_outputs(x, ids_a, experts, ys)
+        return combine_slots(ys, weights)
+
+    def expert_outputs(self, x: F32, ids: npt.NDArray[np.int32], experts: Mapping[int, ExpertWeights],
+                       out: F32) -> None:
+        """out[t, k] = FFN_{ids[t, k]}(x[t]) for every (row, slot) routed to an expert in
+        `experts`; other slots are left as they are. x [T, D], ids [T, K], out [T, K, D] float32
+        C-contiguous. Each slot's bits are those `moe` computes for it (see `Ops.expert_outputs`)."""
+        x, ids_a = self._moe_rows(x, ids, "expert_outputs")
+        want = (*ids_a.shape, x.shape[1])
+        if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == want
+                and out.flags.c_contiguous and out.flags.writeable):
+            got = (out.dtype, out.shape) if isinstance(out, np.ndarray) else type(out)
+            raise ValueError(f"expert_outputs: out must be a writeable C-contiguous float32 {want} "
+                             f"([T, K, D]), got {got}")
+        self._expert_outputs(x, ids_a, experts, out)
+
+    @staticmethod
+    def _moe_rows(x: F32, ids: npt.NDArray[np.int32], what: str) -> tuple[F32, npt.NDArray[np.integer[Any]]]:
+        x = _f32(x, "x")
+        ids_a = np.asarray(ids)
+        if x.ndim != 2 or ids_a.ndim != 2 or ids_a.shape[0] != x.shape[0]:
+            raise ValueError(f"{what}: want x [T, D], ids [T, K]; got x {x.shape}, ids {ids_a.shape}")
         if not np.issubdtype(ids_a.dtype, np.integer):
-            raise ValueError(f"moe: ids must be integers, got {ids_a.dtype}")
+            raise ValueError(f"{what}: ids must be integers, got {ids_a.dtype}")
+        return x, ids_a
+
+    def _expert_outputs(self, x: F32, ids: npt.NDArray[np.integer[Any]], experts: Mapping[int, ExpertWeights],
+                        out: F32) -> None:
         t, d = x.shape
-        k = ids_a.shape[1]
-        ys = np.zeros((t * k, d), dtype=np.float32)  # [T*K, D], row t*K + j = slot j of row t
-        flat = ids_a.reshape(-1)
+        k = ids.shape[1]
+        ys = out.reshape(t * k, d)  # a view: row t*K + j = slot j of row t
+        flat = ids.reshape(-1)
         order = np.argsort(flat, kind="stable")
         uniq, starts = np.unique(flat[order], return_index=True)
         bounds = [*starts.tolist(), flat.size]
         for n, e in enumerate(uniq.tolist()):
-            if e not in experts:
-                raise ValueError(f"moe: expert {e} is routed to but not among the {len(experts)} experts given")
-            w = experts[e]
+            w = experts.get(e)
+            if w is None:
+                continue
             _check_expert(w, e, d)
             slots = order[bounds[n] : bounds[n + 1]]  # flat (row, slot) positions, rows ascending
             xe = np.ascontiguousarray(x[slots // k])  # [n, D]
             ye = np.empty_like(xe)
             self._k.ffn(xe, w, ye)
             ys[slots] = ye
-        out = np.zeros_like(x)
-        y3 = ys.reshape(t, k, d)  # [T, K, D]
-        for j in range(k):
-            out += weights[:, j : j + 1] * y3[:, j]
-        return out
 
 
 def warmup(backend: Backend = "auto") -> None:

@@ -58,6 +58,18 @@ class Ops(Protocol):
 
         x [T, D], ids/weights [T, K]; `experts` holds at least every id in `ids`.
         The sum over k runs in k order (0..K-1). Returns [T, D].
+        Exactly `expert_outputs` over every routed expert into zeros, then `combine_slots`.
+        """
+        ...
+
+    def expert_outputs(self, x: F32, ids: npt.NDArray[np.int32], experts: Mapping[int, ExpertWeights],
+                       out: F32) -> None:
+        """out[t, k] = FFN_{ids[t, k]}(x[t]) for every (row, slot) routed to an expert in `experts`;
+        the other slots of out are left as they are. x [T, D], ids [T, K], out [T, K, D].
+
+        The first half of `moe`, for a caller that has only some of a layer's experts at a time
+        (the expert tier computing a batch union larger than its budget in waves): the waves
+        fill one buffer, then `combine_slots` sums it exactly as `moe` would have.
         """
         ...
 
@@ -74,6 +86,17 @@ class ExpertProvider(Protocol):
     def prefetch(self, layer: int, ids: npt.NDArray[np.int32]) -> None:
         """Hint: `layer` will soon need experts `ids` [n] (sorted, unique). May do nothing."""
         ...
+
+
+def combine_slots(ys: F32, weights: F32) -> F32:
+    """out[t] = sum_k weights[t, k] * ys[t, k], the sum elementwise in k order (0..K-1).
+    ys [T, K, D], weights [T, K] -> [T, D]. The second half of every `Ops.moe`: one code path
+    whether the slots were computed in one call or in waves, so both give the same bits."""
+    t, k, d = ys.shape
+    out = np.zeros((t, d), dtype=np.float32)
+    for j in range(k):
+        out += weights[:, j : j + 1] * ys[:, j]
+    return out
 
 
 def sigmoid(x: F32) -> F32:
@@ -119,13 +142,19 @@ class ReferenceOps:
         t, k = ids.shape
         # per (row, slot) expert output, then a k-ordered sum
         ys = np.zeros((t, k, x.shape[1]), dtype=np.float32)  # [T, K, D]
+        missing = set(np.unique(ids).tolist()) - set(experts)
+        if missing:
+            raise KeyError(f"moe: experts {sorted(missing)} are routed to but not given")
+        self.expert_outputs(x, ids, experts, ys)
+        return combine_slots(ys, weights)
+
+    def expert_outputs(self, x: F32, ids: npt.NDArray[np.int32], experts: Mapping[int, ExpertWeights],
+                       out: F32) -> None:
         for e in np.unique(ids):
+            if int(e) not in experts:
+                continue
             rows, slots = np.nonzero(ids == e)
             w = experts[int(e)]
             xe = x[rows]
             hidden = silu(self.linear(xe, w.gate)) * self.linear(xe, w.up)  # [n, I]
-            ys[rows, slots] = self.linear(hidden, w.down)
-        out = np.zeros_like(x)
-        for j in range(k):
-            out += weights[:, j : j + 1] * ys[:, j]
-        return out
+            out[rows, slots] = self.linear(hidden, w.down)

@@ -12,7 +12,8 @@ Invariants (kept under one lock):
     room is made by evicting unpinned resident experts in policy order;
   * if the pinned working set cannot fit, `acquire` waits up to `pin_wait_s` for
     other computes to release theirs, then raises ResourceExhausted naming the
-    numbers; a batch union larger than the whole budget raises at once;
+    numbers; a batch union larger than the whole budget raises at once (callers
+    cut such a union into `waves(layer, ids)` and pin one wave at a time);
   * a failed read (DataCorruption, Unavailable) fails only the acquires that need
     that expert; nothing of it stays behind, so the next acquire reads it again.
 
@@ -199,6 +200,32 @@ class ExpertTier:
             lease.release()
             raise
         return lease
+
+    def waves(self, layer: int, ids: IdsLike) -> list[list[int]]:
+        """The batch union of `layer` cut into waves of expert ids that each fit in the budget,
+        for a caller that pins one wave at a time (pin, compute, release, next wave): the way a
+        union larger than the budget is computed. One wave when the union fits. Experts already
+        resident or being read come first, so the first wave's reads never evict an expert a
+        later wave of the same call needs; then the rest in id order. An expert larger than the
+        whole budget (the tier's constructor refuses such a budget) gets a wave of its own, and
+        pinning it raises ResourceExhausted."""
+        union = np.unique(np.asarray(ids, dtype=np.int64))
+        if len(union) * self.index.record_bytes <= self.budget:  # record_bytes: the largest record
+            return [union.tolist()]  # fits (checked when pinned); the common case stays cheap
+        keys = self._keys(layer, union)
+        with self._cond:
+            present = [k for k in keys if k in self._entries]
+        have = set(present)
+        waves: list[list[int]] = []
+        nbytes = self.budget + 1  # bytes of the wave being filled; none yet
+        for k in present + [k for k in keys if k not in have]:
+            n = self.index.records[k].length
+            if nbytes + n > self.budget:
+                waves.append([])
+                nbytes = 0
+            waves[-1].append(k[1])
+            nbytes += n
+        return waves
 
     def _collect(self, lease: Lease, t0: float) -> None:
         first: BaseException | None = None

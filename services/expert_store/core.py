@@ -9,12 +9,17 @@ Legend: T = rows, D = hidden, K = experts per row, E = experts per layer, L = Mo
     core.prefetch(hint); core.heat(); core.info()
     await core.stop()                       # history saved, tier and container closed
 
-Every ComputeExperts ends in `FastOps.moe` over the experts the tier pinned, the same
-kernel the in-process provider (`TieredExperts`) calls, so the store's output is bit
-for bit the in-process engine's. Steps: callers send their step counter; a newer step
-ages queued prefetch reads (`ExpertTier.new_step`) and a hint for an older step than
-the latest seen is stale and dropped. With several callers the latest step is the
-largest any of them sent.
+Every ComputeExperts is computed exactly as the in-process provider (`TieredExperts`)
+computes it: the batch union cut into waves that fit the RAM tier's budget
+(`ExpertTier.waves`; one wave when the union fits), each wave pinned, its (row, slot)
+outputs computed with `FastOps.expert_outputs` into one [T, K, D] buffer and released,
+then the k-ordered combine `FastOps.moe` ends in (`WaveSum`). So the store's output is
+bit for bit the in-process engine's, and a union larger than the budget is slower
+(its experts are read again), never refused.
+
+Steps: callers send their step counter; a newer step ages queued prefetch reads
+(`ExpertTier.new_step`) and a hint for an older step than the latest seen is stale and
+dropped. With several callers the latest step is the largest any of them sent.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from moetier.errors import InvalidArgument
 from moetier.kernels.fast import FastOps, default_threads, warmup
 from moetier.settings import Settings, resolve_budget
 from moetier.store.index import ExpertIndex
+from moetier.store.provider import WaveSum
 from moetier.store.stats import HEAT_PINNED, HEAT_RAM, DiskStats, TierStats
 from moetier.store.tier import ExpertTier, Lease, TierConfig
 from moetier.weights.container import Container
@@ -75,8 +81,9 @@ class ComputeResult:
     output: F32  # [T, D]
     hits: int  # experts of the batch union found in RAM
     misses: int  # experts of the batch union read (or joined to a read in flight)
-    load_ns: int  # making the union resident
-    compute_ns: int  # the kernels
+    load_ns: int  # making the union resident (every wave)
+    compute_ns: int  # the kernels (every wave and the combine)
+    waves: int = 1  # pin-compute-release rounds: more than one when the union exceeds the budget
 
 
 @dataclass
@@ -116,10 +123,12 @@ class StoreHeat:
 
 def kernel_threads() -> int:
     """Kernel threads per call: the CPUs this process may use (`default_threads()`), less one
-    for the event loop, gRPC and the I/O workers, which must not wait behind the kernels.
-    Measured through ComputeExperts of the demo model on 2 busy cores (median/max ms, T = 1, 8,
-    64 rows): 1 thread 0.4/0.6, 2/2.7, 9/10; 2 threads 0.6-1.1/2-4, 3-6/5-9, 9-12/17-50. (With
-    the earlier OpenMP kernels 2 threads stalled 100-230 ms per call.)"""
+    for the event loop, gRPC and the I/O workers, which must not wait behind the kernels. The
+    kernels cut a call into chunks that the calling thread and the pool's helpers claim from an
+    atomic counter, so a helper the OS does not schedule delays no call by much; the core left
+    free is for latency, not to avoid a stall. Measured through ComputeExperts of the demo model
+    on 2 busy cores (median/max ms, T = 1, 8, 64 rows): 1 thread 0.4/0.6, 2/2.7, 9/10; 2
+    threads 0.6-1.1/2-4, 3-6/5-9, 9-12/17-50."""
     return max(1, default_threads() - 1)
 
 
@@ -234,26 +243,37 @@ class StoreCore:
 
     # ---- requests -------------------------------------------------------------------
     async def compute(self, batch: ComputeBatch) -> ComputeResult:
-        """One MoE layer for a batch: the union of its experts pinned (misses read together),
-        then the kernels on the compute thread. The batch was checked against `shape`."""
+        """One MoE layer for a batch, wave by wave (one wave when the union fits the budget):
+        the wave's experts pinned (misses read together), its slots computed on the compute
+        thread, the wave released; then the combine. The batch was checked against `shape`."""
         self._note_step(batch.step)
         self._note_routing(batch.layer, batch.ids)
-        t0 = time.perf_counter_ns()
-        lease = await self.tier.apin(batch.layer, batch.ids)
-        load_ns = time.perf_counter_ns() - t0
-        output, compute_ns = await self._run_kernels(batch, lease)
-        self.metrics.observe_compute(batch.layer, batch.hidden.shape[0], load_ns, compute_ns)
-        misses = lease.misses
-        return ComputeResult(output, len(lease.entries) - misses, misses, load_ns, compute_ns)
+        waves = self.tier.waves(batch.layer, batch.ids)
+        acc = WaveSum(self.ops, batch.hidden, batch.ids, batch.weights)
+        load_ns = compute_ns = hits = misses = 0
+        output: F32 | None = None
+        for n, wave in enumerate(waves):
+            t0 = time.perf_counter_ns()
+            lease = await self.tier.apin(batch.layer, wave)
+            load_ns += time.perf_counter_ns() - t0
+            misses += lease.misses
+            hits += len(lease.entries) - lease.misses
+            output, ns = await self._run_kernels(acc, lease, last=n == len(waves) - 1)
+            compute_ns += ns
+        assert output is not None  # a checked batch has rows, so its union has an expert
+        self.metrics.observe_compute(batch.layer, batch.hidden.shape[0], len(waves), load_ns, compute_ns)
+        return ComputeResult(output, hits, misses, load_ns, compute_ns, len(waves))
 
-    async def _run_kernels(self, batch: ComputeBatch, lease: Lease) -> tuple[F32, int]:
-        def job() -> tuple[F32, int]:
+    async def _run_kernels(self, acc: WaveSum, lease: Lease, last: bool) -> tuple[F32 | None, int]:
+        """One wave's slots on the compute thread, and after the last wave the combine [T, D]."""
+        def job() -> tuple[F32 | None, int]:
+            t = time.perf_counter_ns()
             try:
-                t = time.perf_counter_ns()
-                y = self.ops.moe(batch.hidden, batch.ids, batch.weights, lease.experts)  # [T, D]
-                return y, time.perf_counter_ns() - t
+                acc.add(lease.experts)
             finally:
                 lease.release()  # here, not in the caller: a cancelled caller must not unpin under the kernel
+            y = acc.result() if last else None  # [T, D]
+            return y, time.perf_counter_ns() - t
 
         fut = self._compute.submit(job)
         try:

@@ -40,6 +40,7 @@ code; never an expert id (per-expert heat is the Heat RPC's snapshot).
 | moetier_expert_store_disk_weight | gauge | disk | the copy's placement weight (probed GB/s or configured) |
 | moetier_expert_store_compute_calls_total | counter | layer | ComputeExperts calls answered |
 | moetier_expert_store_compute_rows_total | counter | layer | rows of those calls |
+| moetier_expert_store_compute_waves_total | counter | layer | pin-compute-release waves of those calls: one per call whose batch union fits the budget, more when it does not (waves - calls = extra waves) |
 | moetier_expert_store_compute_errors_total | counter | code | ComputeExperts calls failed, by gRPC status (invalid_argument, data_loss, ...) |
 | moetier_expert_store_compute_seconds | histogram | | time in the expert FFN kernels per call |
 | moetier_expert_store_load_seconds | histogram | | time making a call's batch union resident (hits, reads, waits) |
@@ -153,6 +154,9 @@ class StoreMetrics:
         self.policy.labels(policy=policy).set(1)
         self.calls = Counter(P + "compute_calls", "ComputeExperts calls answered.", ["layer"], registry=r)
         self.rows = Counter(P + "compute_rows", "Rows of ComputeExperts calls answered.", ["layer"], registry=r)
+        self.waves = Counter(P + "compute_waves", "Pin-compute-release waves of ComputeExperts calls answered "
+                             "(more than one per call when its batch union exceeds the budget).", ["layer"],
+                             registry=r)
         self.errors = Counter(P + "compute_errors", "ComputeExperts calls failed, by gRPC status.", ["code"],
                               registry=r)
         self.compute_time = Histogram(P + "compute_seconds", "Time in the expert FFN kernels per call.",
@@ -163,12 +167,14 @@ class StoreMetrics:
         for layer in layers:
             self.calls.labels(layer=str(layer))
             self.rows.labels(layer=str(layer))
+            self.waves.labels(layer=str(layer))
         for code in ERROR_CODES:
             self.errors.labels(code=code)
 
-    def observe_compute(self, layer: int, rows: int, load_ns: int, compute_ns: int) -> None:
+    def observe_compute(self, layer: int, rows: int, waves: int, load_ns: int, compute_ns: int) -> None:
         self.calls.labels(layer=str(layer)).inc()
         self.rows.labels(layer=str(layer)).inc(rows)
+        self.waves.labels(layer=str(layer)).inc(waves)
         self.load_time.observe(load_ns / 1e9)
         self.compute_time.observe(compute_ns / 1e9)
 
