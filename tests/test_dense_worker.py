@@ -295,8 +295,8 @@ async def _started(readers: list[asyncio.Future[Any]], n: int) -> bool:
 async def test_queue_overflow_is_resource_exhausted(models: dict[str, Path], tmp_path: Path) -> None:
     async with cluster(models["qwen3_moe"], tmp_path, inference={"max_batch_size": 1, "max_waiting": 1}) as c:
         a = c.stub.Generate(request([5, 6, 7], 1000, rid="a"), timeout=30)
+        await a.read()  # a holds the only batch slot before b arrives (else b may run and a wait)
         b = c.stub.Generate(request([5, 6, 8], 1000, rid="b"), timeout=30)
-        await a.read()
         await wait_for(lambda: _waiting(c, 1), 5, "b to wait")
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await collect(c.stub, request([5, 6, 9], 4, rid="c"))
