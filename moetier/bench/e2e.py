@@ -109,17 +109,46 @@ class Counts:
     pf_hits: int = 0  # hinted and used
     store_load_s: float = 0.0  # cluster: the store's time making the calls' unions resident
     store_compute_s: float = 0.0  # cluster: the store's kernel time
+    expert_s: float = 0.0  # the model's wait on its expert provider's `moe` (tier + kernels, or the RPC)
+    hint_s: float = 0.0  # the model's time in its provider's `prefetch` (issuing the hints)
 
     def __sub__(self, o: Counts) -> Counts:
         return Counts(**{k: getattr(self, k) - getattr(o, k) for k in self.__dataclass_fields__})
 
 
+class TimedExperts:
+    """A pass-through expert provider that clocks the model's calls into its provider: `moe`
+    (engine: the tier's load + the kernels; cluster: the ComputeExperts round trip) and
+    `prefetch` (issuing a hint). The same wrapper on both systems, so their times compare."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.moe_s = 0.0
+        self.prefetch_s = 0.0
+
+    def moe(self, layer: int, x: Any, ids: Any, weights: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.inner.moe(layer, x, ids, weights)
+        finally:
+            self.moe_s += time.perf_counter() - t
+
+    def prefetch(self, layer: int, ids: Any) -> None:
+        t = time.perf_counter()
+        try:
+            self.inner.prefetch(layer, ids)
+        finally:
+            self.prefetch_s += time.perf_counter() - t
+
+
 def counts(tier: TierStats, model: Any, store_metrics: Any = None) -> Counts:
     io = tier.io
     pf = model.stats.prefetch
+    clock = model.experts
     c = Counts(time.perf_counter(), sum(tier.hits.values()), sum(tier.misses.values()),
                io.submitted if io else 0, io.cancelled if io else 0, io.bytes if io else 0,
-               tier.prefetch_issued, tier.prefetch_useful, pf.predicted, pf.actual, pf.hits)
+               tier.prefetch_issued, tier.prefetch_useful, pf.predicted, pf.actual, pf.hits,
+               expert_s=clock.moe_s, hint_s=clock.prefetch_s)
     if store_metrics is not None:
         reg = store_metrics.registry
         c.store_load_s = reg.get_sample_value("moetier_expert_store_load_seconds_sum") or 0.0
@@ -140,7 +169,9 @@ class Phase:
     disk_bound_s: float
     memory_bound_s: float
     recall: float  # prefetch recall of the step's MoE layers
-    store_s: float = 0.0  # cluster, per step: the store's load + kernel time
+    expert_s: float  # per step: the model's wait on `moe` calls
+    hint_s: float  # per step: the model's time issuing prefetch hints
+    store_s: float  # cluster, per step: the store's load + kernel time (0 for the engine)
 
     @property
     def s_per_token(self) -> float:
@@ -159,7 +190,8 @@ def phase(d: Counts, steps: int, record: int, dense_step: int, fio_gbps: float, 
     touched_b = demanded * record / steps + dense_step
     return Phase(steps, d.t, d.hits / demanded if demanded else 0.0, missed_b, d.read_bytes / steps, touched_b,
                  missed_b / (fio_gbps * 1e9), touched_b / (mem_gbps * 1e9),
-                 d.pf_hits / d.actual if d.actual else 0.0, (d.store_load_s + d.store_compute_s) / steps)
+                 d.pf_hits / d.actual if d.actual else 0.0, d.expert_s / steps, d.hint_s / steps,
+                 (d.store_load_s + d.store_compute_s) / steps)
 
 
 @dataclass
@@ -169,7 +201,6 @@ class Request:
     decode: Phase
     prefill_missed_bytes: float  # the prompt step(s): experts read from disk x record bytes
     worker_step_s: float = 0.0  # cluster, per decode token: the worker's step (its own clock)
-    worker_expert_s: float = 0.0  # cluster, per decode token: waiting on ComputeExperts calls
 
     @property
     def tok_s(self) -> float:
@@ -303,7 +334,8 @@ def _engine_trial(s: Setup, t: Trial) -> None:
     try:
         ops = make_ops(False, s.threads)
         experts = TieredExperts.open(container, ops, s.config, depth=st.queue_depth, direct=st.direct_io)
-        engine = Engine(container, Model(container.args, load_dense(container), ops, experts), experts)
+        model = Model(container.args, load_dense(container), ops, TimedExperts(experts))
+        engine = Engine(container, model, experts)
     except BaseException:
         container.close()
         raise
@@ -327,12 +359,12 @@ def _engine_trial(s: Setup, t: Trial) -> None:
 
 
 def _request(s: Setup, t: Trial, toks: list[int], before: Counts, first: Counts, end: Counts,
-             worker_step_s: float = 0.0, worker_expert_s: float = 0.0) -> Request:
+             worker_step_s: float = 0.0) -> Request:
     pre = first - before
     steps = len(toks) - 1
     pre_missed = ((pre.submitted - pre.pf_issued) + pre.pf_useful) * s.record_bytes
     return Request(toks, pre.t, phase(end - first, steps, s.record_bytes, s.dense_step_bytes, t.fio_gbps,
-                                      t.memory_gbps), pre_missed, worker_step_s / steps, worker_expert_s / steps)
+                                      t.memory_gbps), pre_missed, worker_step_s / steps)
 
 
 async def _cluster_trial(s: Setup, t: Trial) -> None:
@@ -364,6 +396,7 @@ async def _cluster_trial(s: Setup, t: Trial) -> None:
             await asyncio.sleep(0.01)
         t.start_s = time.perf_counter() - t0
         core, model = store.core, worker.core.model
+        model.experts = TimedExperts(model.experts)  # the worker's RemoteExperts, clocked as the engine's tier
         async with grpc.aio.insecure_channel(f"127.0.0.1:{rport}") as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             for i in range(2):
@@ -373,18 +406,17 @@ async def _cluster_trial(s: Setup, t: Trial) -> None:
                 before = counts(core.tier_stats(), model, core.metrics)
                 first: Counts | None = None
                 toks: list[int] = []
-                step_ns = expert_ns = 0
+                step_ns = 0
                 async for m in stub.Generate(req, timeout=3600):
                     toks.extend(tok.token_id for tok in m.tokens)
                     if first is None:
                         first = counts(core.tier_stats(), model, core.metrics)
                     else:  # decode steps: the worker's own clock
                         step_ns += m.timings.step_ns
-                        expert_ns += m.timings.expert_ns
                 end = counts(core.tier_stats(), model, core.metrics)
                 await asyncio.to_thread(_quiesce, core.tier_stats)
                 assert first is not None
-                t.requests.append(_request(s, t, toks, before, first, end, step_ns / 1e9, expert_ns / 1e9))
+                t.requests.append(_request(s, t, toks, before, first, end, step_ns / 1e9))
     finally:
         for server in reversed(started):
             await server.stop(0)
@@ -429,14 +461,16 @@ def _system(trials: list[Trial]) -> dict[str, Any]:
             "touched_mb_per_token": _spread([p.touched_bytes / 1e6 for p in d]),
             "prefetch_recall": _spread([p.recall for p in d]),
             "prefill_missed_mb": _spread([r.prefill_missed_bytes / 1e6 for r in reqs]),
+            "expert_s": _spread([p.expert_s for p in d]),
+            "hint_s": _spread([p.hint_s for p in d]),
+            "rest_s": _spread([p.s_per_token - p.expert_s - p.hint_s for p in d]),
         }
         if trials[0].kind == "cluster":
             out[name]["hops"] = {
                 "worker_step_s": _spread([r.worker_step_s for r in reqs]),
-                "worker_expert_wait_s": _spread([r.worker_expert_s for r in reqs]),
-                "store_s": _spread([r.decode.store_s for r in reqs]),
-                "rpc_hop_s": _spread([r.worker_expert_s - r.decode.store_s for r in reqs]),
-                "stream_hop_s": _spread([r.decode.s_per_token - r.worker_step_s for r in reqs]),
+                "store_s": _spread([p.store_s for p in d]),
+                "rpc_hop_s": _spread([p.expert_s - p.store_s for p in d]),
+                "stream_hop_s": _spread([p.s_per_token - r.worker_step_s for p, r in zip(d, reqs, strict=True)]),
             }
     return out
 
@@ -496,12 +530,15 @@ def _print(o: dict[str, Any]) -> None:
                   f"disk {_fmt(r['disk_bound_s'], 1e3, '.0f')} ms = {_fmt(r['missed_mb_per_token'], f='.0f')} MB "
                   f"missed (read {_fmt(r['read_mb_per_token'], f='.0f')}); memory {_fmt(r['memory_bound_s'], 1e3, '.0f')}"
                   f" ms = {_fmt(r['touched_mb_per_token'], f='.0f')} MB touched")
+            print(f"        of which: experts (moe calls) {_fmt(r['expert_s'], 1e3, '.0f')} ms, prefetch hints "
+                  f"{_fmt(r['hint_s'], 1e3, '.1f')} ms, the rest (attention, gates, dense, lm_head, sampling) "
+                  f"{_fmt(r['rest_s'], 1e3, '.0f')} ms")
             if "hops" in r:
                 h = r["hops"]
-                print(f"        hops per token: worker step {_fmt(h['worker_step_s'], 1e3, '.1f')} ms, of it waiting "
-                      f"on the store {_fmt(h['worker_expert_wait_s'], 1e3, '.1f')} ms, of that the store's load + "
-                      f"kernels {_fmt(h['store_s'], 1e3, '.1f')} ms -> RPC hop {_fmt(h['rpc_hop_s'], 1e3, '.1f')} ms; "
-                      f"router + stream {_fmt(h['stream_hop_s'], 1e3, '.1f')} ms")
+                print(f"        hops: the store's own load + kernels {_fmt(h['store_s'], 1e3, '.0f')} ms of the "
+                      f"ComputeExperts wait -> RPC hop {_fmt(h['rpc_hop_s'], 1e3, '.1f')} ms; worker step "
+                      f"{_fmt(h['worker_step_s'], 1e3, '.0f')} ms -> router + stream hop "
+                      f"{_fmt(h['stream_hop_s'], 1e3, '.1f')} ms")
     rounds = ", ".join(f"{x:.3f}" for x in o["hop_overhead_rounds"])
     print(f"\ntokens equal (cluster vs engine, temperature 0): {'yes' if o['tokens_match'] else 'NO'}")
     print(f"hop_overhead = cluster / engine decode time per token = {o['hop_overhead']:.3f} "
