@@ -262,6 +262,8 @@ def run_cluster(settings: Settings, config: Path | None, *, start_timeout_s: flo
             name = settings.model.name or model_dir.name
             echo(f"moetier is up: {url}/v1  (model {name!r}; dashboard {url}/dashboard)")
             echo("  " + curl_command(settings, name))
+            if settings.gateway.api_key:
+                echo("  (gateway.api_key is set: /v1/* needs it; the curl reads it from $MOETIER_GATEWAY__API_KEY)")
             echo("Ctrl-C stops all services.")
         while not stopping and not (until and until()):
             dead = sup.dead()

@@ -88,6 +88,7 @@ def test_prints_the_url_and_a_curl_that_works(cluster: Up) -> None:
     assert cluster.wait_for(r"^moetier is up: (\S+)/v1", 0).group(1) == cluster.url
     curl = cluster.wait_for(r"^\s+(curl .*)$", 0).group(1)
     assert f"{cluster.url}/v1/chat/completions" in curl and "$MOETIER_GATEWAY__API_KEY" in curl
+    assert "gateway.api_key is set" in cluster.output()  # says where the curl takes the key from
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed: the printed command cannot be run as printed")
     # run as a user pastes it: into a shell where the key is in the environment
