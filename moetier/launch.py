@@ -4,6 +4,21 @@ The services are started with the same commands docker-compose.yml runs
 (`moetier router`, `moetier expert-store`, `moetier dense-worker`, `moetier
 gateway`), configured the same way: one YAML file (`--config`) plus MOETIER_*
 environment variables. tests/test_compose.py holds the two in step.
+
+What `moetier up` does, in order:
+- refuses to start if any address it would listen on (the four binds, the three metrics
+  ports) is taken, naming them: gRPC would otherwise let a second server share a port;
+- model: `model.path` (which must be a container), else the demo model under
+  data_dir/models/demo, built once (atomically) on first use;
+- starts router, expert store, dense worker, gateway, each in a session of its own (so a
+  terminal's Ctrl-C reaches only `moetier up`), logging to data_dir/logs/<service>.log, each
+  one healthy (grpc.health.v1, or the gateway's /health) before the next starts; prints each
+  one's pid, then the URL and a curl that works;
+- supervises: SIGINT, SIGTERM or SIGHUP stops the children in reverse order (SIGTERM, then
+  SIGKILL after a grace period) and exits 0; a child that exits on its own stops the others
+  and `moetier up` exits 1 after printing that child's log tail. A failed start stops what
+  was started and exits 1 with the failing service's log tail.
+Tests: tests/test_up.py (a running cluster) and tests/test_up_lifecycle.py (the supervisor).
 """
 
 from __future__ import annotations
