@@ -5,6 +5,13 @@ batch union), with a deadline of `timeout_s`; prefetch hints go out as `Prefetch
 that nobody waits for. Both carry the step counter (`new_step()`), so the store can
 drop hints that went stale.
 
+Hints are handed to one sender thread (a bounded queue; a hint that finds it full is
+dropped and counted failed), which makes the blocking `Prefetch` calls. Not grpc's
+`future()` from the step thread: on a channel with no call in flight that starts a new
+polling thread per call, and the step waits for the thread to start (measured on 2 busy
+cores: ~0.9 ms median, 2 ms p90 per hint, 26 hints per mini-glm token; a queue hand-off
+is ~0.02 ms).
+
 Called from the worker's one step thread, so the channel is a plain (synchronous) gRPC
 channel. A store that is down, slow or restarting fails the call with Unavailable once
 the deadline (or the connection attempt) is over; the channel is then rebuilt, so the
@@ -17,7 +24,9 @@ Legend: T = rows, D = hidden, K = experts per row.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -38,6 +47,7 @@ log = logging.getLogger(__name__)
 F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
 
+HINT_QUEUE = 64  # hints waiting for the sender at most; later ones are dropped (a waiting hint goes stale)
 MAX_MESSAGE_BYTES = 1 << 30  # a prefill chunk of a wide model is tens of MB of activations
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -80,6 +90,8 @@ class RemoteExperts:
         self._channel: grpc.Channel | None = None
         self._stub: expert_store_pb2_grpc.ExpertStoreStub | None = None
         self._checked = False  # Info verified on the current channel
+        self._hints: queue.Queue[tuple[expert_store_pb2_grpc.ExpertStoreStub, expert_store_pb2.PrefetchRequest]
+                                 | None] | None = None  # the sender's queue, while a sender runs
 
     # ---- the provider --------------------------------------------------------------
     def new_step(self) -> int:
@@ -123,22 +135,33 @@ class RemoteExperts:
         return out
 
     def prefetch(self, layer: int, ids: I32) -> None:
-        """Fire and forget: the hint goes out, the step does not wait for it."""
+        """Fire and forget: the hint goes to the sender thread, the step does not wait for it."""
         stub = self._stub
         if stub is None or not self._checked:
             return  # not connected yet; hints are worth nothing to a store we have not reached
         req = expert_store_pb2.PrefetchRequest(layer=layer, expert_ids=[int(e) for e in ids], step=self.step)
+        with self._lock:
+            if self._hints is None:
+                self._hints = queue.Queue(HINT_QUEUE)
+                threading.Thread(target=self._send_hints, args=(self._hints,), daemon=True,
+                                 name="dense-worker-hints").start()
+            hints = self._hints
         try:
-            fut = stub.Prefetch.future(req, timeout=self.prefetch_timeout_s)
-        except Exception:  # the channel is being replaced
+            hints.put_nowait((stub, req))
+        except queue.Full:
             self.stats.hints_failed += 1
             return
         self.stats.hints_sent += 1
-        fut.add_done_callback(self._hint_done)
 
-    def _hint_done(self, fut: grpc.Future) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            self.stats.hints_failed += 1
+    def _send_hints(self, hints: queue.Queue[tuple[expert_store_pb2_grpc.ExpertStoreStub,
+                                                   expert_store_pb2.PrefetchRequest] | None]) -> None:
+        """The sender thread: one blocking Prefetch call per hint, until `close()` says stop."""
+        while (item := hints.get()) is not None:
+            stub, req = item
+            try:
+                stub.Prefetch(req, timeout=self.prefetch_timeout_s)
+            except Exception:  # an RpcError, or the channel closed under it; never fails a request
+                self.stats.hints_failed += 1
 
     # ---- the channel ---------------------------------------------------------------
     def _ready(self) -> expert_store_pb2_grpc.ExpertStoreStub:
@@ -178,7 +201,21 @@ class RemoteExperts:
             raise from_rpc_error(e, f"expert store {self.address}: Info") from None
 
     def close(self) -> None:
+        """Drop the channel and stop the hint sender (after its call in flight, if any); the next
+        call connects afresh and the next hint starts a sender again."""
         with self._lock:
             channel, self._channel, self._stub, self._checked = self._channel, None, None, False
+            hints, self._hints = self._hints, None
+        if hints is not None:  # the hints still queued are for the old channel: drop them, then stop
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    hints.get_nowait()
+            while True:
+                try:
+                    hints.put_nowait(None)
+                    break
+                except queue.Full:
+                    with contextlib.suppress(queue.Empty):
+                        hints.get_nowait()
         if channel is not None:
             channel.close()

@@ -1,0 +1,64 @@
+"""RemoteExperts' prefetch hints: handed to one sender thread (the step thread never waits for a
+thread to start, as grpc's `future()` makes it on an idle channel), delivered to the store, and
+the sender stopped by `close()`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moetier.convert import synth
+from moetier.settings import load_settings
+from services.dense_worker.remote import RemoteExperts
+from services.expert_store.server import create_server
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def senders() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "dense-worker-hints"]
+
+
+async def test_hints_reach_the_store_from_one_sender_thread(tmp_path: Path) -> None:
+    model = synth.write_container("tiny-deepseek_v3", tmp_path / "m", 0)
+    settings = load_settings(overrides={
+        "model": {"path": str(model), "expert_cache": "100%"}, "cache": {"policy": "lru"},
+        "data_dir": str(tmp_path / "data"),
+        "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0}}, environ={})
+    server, port = create_server(settings, "127.0.0.1:0", threads=1)
+    await server.start()
+    try:
+        remote = RemoteExperts(f"127.0.0.1:{port}", server.core.shape.model_id, timeout_s=5)
+        await asyncio.to_thread(remote.check)
+        layer = server.core.shape.moe_layers[0]
+        threads_before = threading.active_count()
+
+        def hint_all() -> None:
+            for e in range(8):
+                remote.new_step()
+                remote.prefetch(layer, np.array([e], dtype=np.int32))
+                time.sleep(0.01)  # each hint answered before the next: an idle channel every time
+
+        await asyncio.to_thread(hint_all)
+        assert len(senders()) == 1 and threading.active_count() <= threads_before + 1
+        deadline = time.monotonic() + 5
+        while server.core.tier_stats().prefetch_hints < 8:
+            assert time.monotonic() < deadline, "the hints did not reach the store"
+            await asyncio.sleep(0.02)
+        assert (remote.stats.hints_sent, remote.stats.hints_failed) == (8, 0)
+        remote.close()
+        deadline = time.monotonic() + 5
+        while senders():
+            assert time.monotonic() < deadline, "close() left the hint sender running"
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(remote.check)  # a new channel: hints flow again
+        await asyncio.to_thread(remote.prefetch, layer, np.array([1, 2], dtype=np.int32))
+        assert remote.stats.hints_sent == 9
+        remote.close()
+    finally:
+        await server.stop(0)
