@@ -9,7 +9,9 @@ over `--rounds`, so disk drift hits both):
     (`tier_config`: budget, policy, prefetch bound; the store's queue depth and O_DIRECT);
   * cluster: router -> dense worker -> expert store, real gRPC servers in this process on
     loopback port 0, the request sent to the router's Generate as the gateway sends it. The
-    worker's prefix cache is off, so the second request is prefilled like the first.
+    worker's prefix cache is off, so the second request is prefilled like the first. The
+    store computes with as many kernel threads as the engine (`--store-threads`; its own
+    default is CPUs - 1), so the two differ by the hops, not by their kernels' threads.
 
 Each trial starts its system fresh (page cache dropped where root, tier empty) and runs two
 requests of the same `--prompt-tokens` tokens of shipped text, each generating `--tokens`
@@ -58,6 +60,7 @@ from moetier.bench import models
 from moetier.bench.compute import copy_gbps
 from moetier.bench.io import _drop_page_cache, _fio_pass
 from moetier.errors import InvalidArgument
+from moetier.kernels.fast import default_threads
 from moetier.settings import Settings, load_settings
 from moetier.store.stats import TierStats
 from moetier.store.tier import TierConfig
@@ -84,8 +87,8 @@ def register(sub: Any) -> None:
                    help="replacement policy of both tiers (default: settings cache.policy)")
     p.add_argument("--threads", type=int, help="kernel threads of the engine and the dense worker "
                    "(default: every CPU)")
-    p.add_argument("--store-threads", type=int, help="kernel threads of the expert store "
-                   "(default: the store's own, CPUs - 1)")
+    p.add_argument("--store-threads", type=int, help="kernel threads of the expert store (default: the same as "
+                   "the engine's, so the two compute alike; the store's own default is CPUs - 1)")
     p.add_argument("--fio-records", type=int, default=64, help="records fio reads per trial (default 64)")
     p.add_argument("--copy-mb", type=int, default=512, help="size of the memory bandwidth copy (default 512 MiB)")
     p.set_defaults(func=run)
@@ -229,8 +232,8 @@ class Setup:
     config: TierConfig
     prompt: list[int]
     tokens: int
-    threads: int | None
-    store_threads: int | None
+    threads: int  # kernel threads of the engine and of the dense worker
+    store_threads: int  # kernel threads of the expert store
     record_bytes: int
     dense_step_bytes: int
     expert_files: list[Path]
@@ -295,7 +298,9 @@ def prepare(args: argparse.Namespace, fio: str) -> Setup:
     src = np.ones(max(1, args.copy_mb) << 18, dtype=np.float32)  # copy_mb MiB
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the pages in
-    return Setup(model, settings, config, prompt, args.tokens, args.threads, args.store_threads, record, dense,
+    threads = args.threads if args.threads is not None else default_threads()
+    store_threads = args.store_threads if args.store_threads is not None else threads
+    return Setup(model, settings, config, prompt, args.tokens, threads, store_threads, record, dense,
                  files, fio, args.fio_records, (src, dst))
 
 
@@ -513,6 +518,7 @@ def _print(o: dict[str, Any]) -> None:
           f"policy {o['policy']}, batch 1, {o['prompt_tokens']} prompt + {o['tokens']} generated tokens per "
           f"request, {len(o['rounds'])} rounds (ABBA); page cache {'dropped' if o['page_cache_dropped'] else 'NOT dropped (not root)'} "
           "before each trial")
+    print(f"kernel threads: engine {o['threads']}, dense worker {o['threads']}, expert store {o['store_threads']}")
     print(f"bounds measured before each trial: fio {_fmt(o['fio_gbps'])} GB/s (randread O_DIRECT, bs "
           f"{o['record_bytes']} = record, iodepth {o['queue_depth']}); memory {_fmt(o['memory_gbps'], f='.1f')} "
           f"GB/s (numpy copy); dense bytes per step {o['dense_step_bytes'] / 1e6:.0f} MB")
