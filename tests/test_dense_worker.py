@@ -11,6 +11,7 @@ documented metrics.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -313,6 +314,56 @@ async def _waiting(c: Cluster, n: int) -> bool:
     return (await c.load()).waiting == n
 
 
+async def _running(c: Cluster, n: int) -> bool:
+    return (await c.load()).running == n
+
+
+@asynccontextmanager
+async def step_held(c: Cluster) -> AsyncIterator[None]:
+    """No step boundary inside the block: the step thread runs a wait queued behind the current
+    step, so the next step (and the boundary before it) waits too."""
+    entered, go_on = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        go_on.wait(20)
+
+    held = asyncio.ensure_future(c.worker.core.batcher.run_in_step_thread(hold))
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)
+        yield
+    finally:
+        go_on.set()
+        await held
+
+
+async def test_a_cancelled_sequence_frees_its_admission_slot_before_the_step_boundary(
+        models: dict[str, Path], tmp_path: Path) -> None:
+    """The router hands a cancelled request's slot on at once, so the next call can arrive before
+    the worker's next step boundary: it must be admitted, not refused as full. The cancelled
+    sequence's KV still goes at that boundary."""
+    async with cluster(models["qwen3_moe"], tmp_path, inference={"max_batch_size": 1, "max_waiting": 0}) as c:
+        a = c.stub.Generate(request([5, 6, 7], 1000, rid="a"), timeout=30)
+        await a.read()  # a holds the only slot
+        async with step_held(c):
+            a.cancel()
+            await wait_for(lambda: _running(c, 0), 5, "the cancelled sequence to stop counting as running")
+            load = await c.load()
+            assert load.kv_bytes > 0 and load.waiting == 0  # its KV waits for the boundary
+            b = c.stub.Generate(request([5, 6, 8], 4, rid="b"), timeout=30)
+            first = asyncio.ensure_future(b.read())
+            await wait_for(lambda: _waiting(c, 1), 5, "b to be admitted while the step is held")
+            assert not first.done()
+        msgs = [await first]
+        while msgs[-1] is not grpc.aio.EOF:
+            msgs.append(await b.read())
+        assert len(tokens(msgs[:-1])) == 4 and msgs[-2].finish_reason == "length"
+        m = c.metrics()
+        assert m["moetier_dense_worker_rejected_requests_total{reason=queue_full}"] == 0
+        assert m["moetier_dense_worker_finished_requests_total{finish_reason=cancelled}"] == 1
+        assert (await c.load()).kv_bytes == 0
+
+
 # ---- the expert store failing ------------------------------------------------------------------
 async def test_store_killed_mid_request_then_back(models: dict[str, Path], engines: dict[str, Engine],
                                                   tmp_path: Path) -> None:
@@ -505,6 +556,50 @@ async def test_registers_with_the_router_and_reports_prefixes(models: dict[str, 
             held = prompt + direct[:-1]
             expect = block_hashes(held, 16, c.worker.core.model_id)
             assert set(expect) <= set(load.prefix_hashes) and len(expect) == 3
+    finally:
+        await router.stop(0)
+
+
+async def test_a_slot_the_router_hands_on_after_a_cancel_is_admitted(models: dict[str, Path],
+                                                                     tmp_path: Path) -> None:
+    """Through the real router, one batch slot and no queue on the worker: a caller hangs up while
+    the worker's step is held (no boundary), the router gives its slot to the next request at once,
+    and the worker admits that request instead of refusing it (which the gateway would turn into a
+    429 although the router had room)."""
+    from moetier.rpc.v1 import router_pb2, router_pb2_grpc
+    from services.router.server import create_server as create_router
+
+    router, rport = create_router(settings_for(models["qwen3_moe"], tmp_path), "127.0.0.1:0")
+    await router.start()
+    try:
+        rset = {"bind": "127.0.0.1:0", "address": f"127.0.0.1:{rport}", "metrics_port": 0, "id": "router"}
+        async with cluster(models["qwen3_moe"], tmp_path, register=True, router=rset,
+                           inference={"max_batch_size": 1, "max_waiting": 0}) as c, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{rport}") as rch:
+            rstub = router_pb2_grpc.RouterStub(rch)
+
+            async def registered() -> bool:
+                status = await rstub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=5)
+                return any(m.member_id == "worker-t" and m.HasField("load") for m in status.members)
+
+            async def queued() -> bool:
+                return (await rstub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=5)).queued == 1
+
+            await wait_for(registered, 5, "the worker to register")
+            for i in range(3):
+                a = rstub.Generate(request([5, 6, 7], 1000, rid=f"a{i}"), timeout=30)
+                await a.read()  # a holds the worker's only slot
+                async with step_held(c):
+                    b = rstub.Generate(request([5, 6, 8], 2, rid=f"b{i}"), timeout=30)
+                    await wait_for(queued, 5, "b to wait in the router's queue for a's slot")
+                    a.cancel()
+                    first = asyncio.ensure_future(b.read())
+                    await wait_for(lambda: _waiting(c, 1), 5, "b to reach the worker and wait there")
+                msgs = [await first]
+                while msgs[-1] is not grpc.aio.EOF:
+                    msgs.append(await b.read())
+                assert len(tokens(msgs[:-1])) == 2
+            assert c.metrics()["moetier_dense_worker_rejected_requests_total{reason=queue_full}"] == 0
     finally:
         await router.stop(0)
 

@@ -301,10 +301,10 @@ def test_200_abandoned_streams_leave_no_live_sequence(cluster: Up) -> None:
 
     outcomes = asyncio.run(_impatient_clients(cluster.url, 200))
     assert sum(outcomes.values()) == 200
-    # 429 is possible although the router's queue has room: the router hands a cancelled
-    # request's slot on at once, and the next call can reach the worker before the worker has
-    # seen the cancellation (the worker's RESOURCE_EXHAUSTED passes through the router).
-    assert set(outcomes) <= {"read timeout", "deadline", "completed", "status 429"}, outcomes
+    # No 429: the router's queue holds all 200, and the slot the router hands on when a client
+    # hangs up is free on the worker too (a cancelled request stops counting against the worker's
+    # admission at once, not at its next step boundary).
+    assert set(outcomes) <= {"read timeout", "deadline", "completed"}, outcomes
     assert outcomes.get("deadline", 0) > 0, outcomes  # some were cut off mid-stream
 
     state = [""]

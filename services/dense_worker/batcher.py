@@ -4,6 +4,12 @@
     async for out in seq.outputs(): ...    # one Output per generated token; errors raise
     batcher.release(seq)                   # the caller is done or gone (cancels if running)
 
+Admission counts what the callers still want: a sequence whose caller has gone stops
+counting against max_batch + max_waiting at once (a waiting one leaves the queue, a running
+one is marked leaving), although a running one keeps its KV until the next step boundary.
+The router hands a cancelled request's slot on immediately, so the next call may arrive
+before that boundary and must not be refused.
+
 The loop, at every step boundary:
   1. drops cancelled sequences (their KV is freed here) and admits waiting requests into
      the running batch, oldest first, up to max_batch;
@@ -160,13 +166,15 @@ class Batcher:
         self.kv_bytes = 0
         pf = model.stats.prefetch
         self._prefetch_seen = (pf.predicted, pf.actual, pf.hits)
-        metrics.observe_state(lambda: len(self._running), lambda: len(self._waiting), lambda: self.kv_bytes,
+        metrics.observe_state(lambda: self.running, lambda: len(self._waiting), lambda: self.kv_bytes,
                               limits.max_batch)
 
     # ---- the request side (event loop) -------------------------------------------------
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Sequences in the batch less those leaving it (their caller has gone; they are dropped,
+        with their KV, at the next step boundary)."""
+        return sum(not s.cancelled for s in self._running)
 
     @property
     def waiting(self) -> int:
@@ -176,11 +184,12 @@ class Batcher:
         if self._closed:
             raise Unavailable("the dense worker is stopping")
         lim = self.limits
-        if len(self._running) + len(self._waiting) >= lim.max_batch + lim.max_waiting:
+        running = self.running  # leaving sequences do not count: their callers are gone
+        if running + len(self._waiting) >= lim.max_batch + lim.max_waiting:
             self.metrics.rejected.labels(reason="queue_full").inc()
             # a batch slot frees when a running sequence ends: roughly a few steps away
             retry = max(0.05, min(5.0, 4 * self._mean_step_s * (1 + len(self._waiting) / lim.max_batch)))
-            raise ResourceExhausted(f"dense worker full: {len(self._running)} running (max {lim.max_batch}), "
+            raise ResourceExhausted(f"dense worker full: {running} running (max {lim.max_batch}), "
                                     f"{len(self._waiting)} waiting (max {lim.max_waiting})", retry_after_s=retry)
         seq = Sequence(request, lim.vocab_size)
         self._waiting.append(seq)
@@ -189,8 +198,9 @@ class Batcher:
         return seq
 
     def release(self, seq: Sequence) -> None:
-        """The caller is done with `seq` (finished, failed, or gone): a live one is cancelled and
-        leaves the batch at the next step boundary."""
+        """The caller is done with `seq` (finished, failed, or gone): a live one is cancelled. A
+        waiting one leaves at once; a running one stops counting for admission at once and leaves
+        the batch (its KV freed) at the next step boundary."""
         if seq.finished or seq.cancelled:
             return
         seq.cancelled = True

@@ -7,7 +7,7 @@ phase, finish_reason, reason, outcome, tier.
 
 | metric | type | labels | meaning |
 |---|---|---|---|
-| moetier_dense_worker_running_requests | gauge | | sequences in the running batch |
+| moetier_dense_worker_running_requests | gauge | | sequences in the running batch, less those whose caller has gone |
 | moetier_dense_worker_waiting_requests | gauge | | requests admitted but not yet running |
 | moetier_dense_worker_max_batch_requests | gauge | | batch size limit (inference.max_batch_size) |
 | moetier_dense_worker_kv_cache_bytes | gauge | | bytes of KV cache held by live sequences (allocated) |
@@ -77,7 +77,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         p = "moetier_dense_worker_"
-        self.running = Gauge(p + "running_requests", "Sequences in the running batch.", registry=r)
+        self.running = Gauge(p + "running_requests", "Sequences in the running batch, less those whose caller has gone.", registry=r)
         self.waiting = Gauge(p + "waiting_requests", "Requests admitted but not yet running.", registry=r)
         self.max_batch = Gauge(p + "max_batch_requests", "Batch size limit.", registry=r)
         self.kv_bytes = Gauge(p + "kv_cache_bytes", "KV cache bytes held by live sequences.", registry=r)
