@@ -17,7 +17,13 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from moetier.errors import InvalidArgument
 
@@ -203,6 +209,36 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _env_error(e: SettingsError) -> InvalidArgument:
+    """pydantic-settings' error for an environment value it could not parse (a settings section
+    or a list given something that is not JSON, e.g. MOETIER_MODEL=demo), naming the variable.
+
+    The error names only the top-level field, so each MOETIER_<FIELD>[__...] variable is parsed
+    again alone to find the one at fault. Values are not repeated (a section may hold the API key)."""
+    m = re.search(r'field "(\w+)"', str(e))
+    field = m.group(1) if m else ""
+    prefix = f"moetier_{field}"
+    names = sorted(k for k in os.environ if k.lower() == prefix or k.lower().startswith(prefix + "__"))
+    culprits = []
+    for name in names:
+        source = EnvSettingsSource(Settings)
+        source.env_vars = {name.lower(): os.environ[name]}
+        try:
+            source()
+        except SettingsError:
+            culprits.append(name)
+    why = f" ({e.__cause__})" if e.__cause__ is not None else ""
+    if not culprits:
+        return InvalidArgument(f"invalid settings in the environment: {e}{why}")
+    name = culprits[0]
+    if name.lower() == prefix:
+        hint = (f"`{field}` is a settings section: set its fields as {name}__<FIELD>, or give the whole "
+                "section as a JSON object")
+    else:
+        hint = "a list is given as JSON, e.g. '[\"/mnt/a\", \"/mnt/b\"]' or '[0.5, 0.5]'"
+    return InvalidArgument(f"invalid settings: environment variable {name} is not valid JSON{why}; {hint}")
+
+
 def load_settings(config: Path | None = None, overrides: dict[str, Any] | None = None,
                   environ: dict[str, str] | None = None) -> Settings:
     """Build the settings: flags (`overrides`, nested dicts) > env > config file > defaults.
@@ -237,6 +273,8 @@ def load_settings(config: Path | None = None, overrides: dict[str, Any] | None =
                 f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
             )
             raise InvalidArgument(f"invalid settings{where}: {problems}") from None
+        except SettingsError as e:
+            raise _env_error(e) from None
     finally:
         _config_file.reset(token)
         if saved is not None:

@@ -41,6 +41,30 @@ def test_bad_config_names_the_problem(tmp_path: Path, text: str, match: str) -> 
         load_settings(cfg, environ={})
 
 
+@pytest.mark.parametrize("env,match", [
+    ({"MOETIER_MODEL": "demo"}, r"environment variable MOETIER_MODEL is not valid JSON .*`model` is a settings "
+                                r"section: set its fields as MOETIER_MODEL__<FIELD>"),
+    ({"MOETIER_STORAGE__MIRRORS": "[/mnt/a", "MOETIER_STORAGE__IO_ENGINE": "threads"},
+     r"environment variable MOETIER_STORAGE__MIRRORS is not valid JSON .*a list is given as JSON"),
+    ({"MOETIER_STORAGE__MIRROR_WEIGHTS": "1,2"}, "environment variable MOETIER_STORAGE__MIRROR_WEIGHTS"),
+    ({"MOETIER_CACHE": '{"policy": "lru"'}, "environment variable MOETIER_CACHE is not valid JSON"),
+])
+def test_unparsable_environment_names_the_variable(env: dict[str, str], match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        load_settings(environ=env)
+
+
+def test_unparsable_environment_is_one_line_from_the_command(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from moetier.cli import main
+
+    monkeypatch.setenv("MOETIER_MODEL", "demo")
+    assert main(["config"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moetier config: error: invalid settings: environment "
+                                                   "variable MOETIER_MODEL "), err
+
+
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="does not exist"):
         load_settings(tmp_path / "nope.yaml", environ={})
