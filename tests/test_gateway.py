@@ -157,6 +157,21 @@ async def test_completion_token_prompt_echo_and_default_max_tokens(gw: InProcess
     assert gw.fake.requests[0].sampling.max_tokens == 16  # OpenAI's default for completions
 
 
+async def test_null_max_tokens_is_the_documented_default(gw: InProcess) -> None:
+    """docs/gateway.md: completions default to 16 tokens (OpenAI's default), chat completions to the
+    rest of the context; an explicit null is the default, as an absent field."""
+    for body in ({"model": MODEL, "prompt": "Once upon"}, {"model": MODEL, "prompt": "Once upon", "max_tokens": None}):
+        r = await gw.client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert gw.fake.requests[-1].sampling.max_tokens == 16, body
+    for extra in ({}, {"max_tokens": None}, {"max_completion_tokens": None}, {"max_tokens": None,
+                                                                            "max_completion_tokens": None}):
+        r = await gw.client.post("/v1/chat/completions", json={**CHAT, **extra})
+        assert r.status_code == 200, r.text
+        req = gw.fake.requests[-1]
+        assert req.sampling.max_tokens == MAX_POS - len(req.prompt_ids), extra  # the rest of the context
+
+
 async def test_logprobs(gw: InProcess, model: ServedModel) -> None:
     r = await gw.client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 1})
     s = gw.fake.requests[0].sampling

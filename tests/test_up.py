@@ -230,8 +230,8 @@ def test_schemathesis_on_the_real_gateway_finds_no_server_errors(cluster: Up, tm
             if "model" in body and zlib.crc32(repr(body).encode()) % 4:  # not hash(): salted per process
                 body["model"] = MODEL
             if body.get("model") == MODEL:
-                # A generation of at most 4 tokens: absent or null means the rest of the context,
-                # minutes of decoding on 2 cores.
+                # A generation of at most 4 tokens: in a chat, absent or null means the rest of the
+                # context, minutes of decoding on 2 cores (completions default to 16).
                 for k in ("max_tokens", "max_completion_tokens"):
                     if isinstance(body.get(k), int) and not isinstance(body[k], bool) and body[k] > 4:
                         body[k] = 4

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from moetier.rpc.v1 import generate_pb2
 
 U32 = 2**31 - 1  # bound for values that travel as uint32 (kept within int32 too)
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is the rest of the context)
 U64 = 2**64 - 1
 TokenId = Annotated[int, Field(ge=0, le=U32)]
 
@@ -105,7 +106,7 @@ class ChatCompletionRequest(_Common):
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
     logprobs: bool | None = Field(False, description="Return the log-probability of each output token.")
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens (wins over it).")
-    max_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
+    max_tokens: int | None = Field(None, ge=1, description="Default (absent or null): the rest of the context.")
     n: int | None = Field(1, description="Only 1.")
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=U64)
@@ -146,7 +147,7 @@ class CompletionRequest(_Common):
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
     logprobs: int | None = Field(None, ge=0, le=5, description="Return logprobs and this many alternatives.")
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(COMPLETION_MAX_TOKENS, ge=1, description="Default 16; null means the default.")
     n: int | None = Field(1, description="Only 1.")
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=U64)
@@ -167,6 +168,12 @@ class CompletionRequest(_Common):
         if isinstance(p, list) and isinstance(p[0], str | list) and len(p) != 1:
             raise ValueError("a batch of prompts is not supported (send one per request)")
         return p
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _max_tokens(cls, v: Any) -> Any:
+        # An explicit null is the default, as when the field is absent (not the rest of the context).
+        return COMPLETION_MAX_TOKENS if v is None else v
 
     @field_validator("suffix")
     @classmethod
