@@ -17,12 +17,15 @@ What `moetier up` does, in order:
 - supervises: SIGINT, SIGTERM or SIGHUP stops the children in reverse order (SIGTERM, then
   SIGKILL after a grace period) and exits 0; a child that exits on its own stops the others
   and `moetier up` exits 1 after printing that child's log tail. A failed start stops what
-  was started and exits 1 with the failing service's log tail.
+  was started and exits 1 with the failing service's log tail;
+- children die with it: on Linux each child asks the kernel for SIGTERM when `moetier up`
+  dies (PR_SET_PDEATHSIG), so even a SIGKILL of `moetier up` leaves no service running.
 Tests: tests/test_up.py (a running cluster) and tests/test_up_lifecycle.py (the supervisor).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -178,8 +181,33 @@ def curl_command(settings: Settings, model: str) -> str:
             f"-d {shlex.quote(json.dumps(body))}")
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A `preexec_fn` making the child get SIGTERM when `parent` dies, however it dies (a SIGKILL
+    runs no handler of ours); None where prctl(PR_SET_PDEATHSIG) does not exist (not Linux).
+
+    The kernel sends it when the *thread* that forked the child ends: `moetier up` starts its
+    children from its main thread, which lives as long as the process."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+
+    def preexec() -> None:
+        # Runs in the child between fork and exec, still with the parent's Python signal handlers:
+        # a SIGTERM caught by one of those would be lost, so the default (terminate) comes first.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: no signal will come
+            os._exit(1)
+
+    return preexec
+
+
 class Supervisor:
-    """Owns the child processes: start in order, wait for health, stop in reverse."""
+    """Owns the child processes: start in order, wait for health, stop in reverse. The children
+    die with the supervisor's process (see die_with_parent)."""
 
     def __init__(self, log_dir: Path, echo: Callable[[str], None] = say) -> None:
         self.log_dir = log_dir
@@ -196,7 +224,8 @@ class Supervisor:
         # A new session: a Ctrl-C in the terminal reaches only `moetier up`, which forwards it
         # in shutdown order instead of every process getting it at once.
         p = subprocess.Popen([sys.executable, "-m", "moetier.cli", *spec.argv], stdout=f,
-                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                             preexec_fn=die_with_parent(os.getpid()))
         self.procs.append((spec, p, log_path))
         return p
 

@@ -1,8 +1,9 @@
 """`moetier up` as a process supervisor: the first start builds the demo model and the second
 reuses it; SIGINT and SIGTERM stop all four children (their pids, as printed and as /proc
 knows them, are gone afterwards); a child that dies takes the others down and `moetier up`
-exits non-zero with its log tail; a signal during start-up stops what was started; busy ports
-are refused before anything starts. The tests share one data_dir and run in file order."""
+exits non-zero with its log tail; a signal during start-up stops what was started; a SIGKILL
+of `moetier up` itself takes its children with it; busy ports are refused before anything
+starts. The tests share one data_dir and run in file order."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -21,6 +24,7 @@ from helpers_up import (
     Up,
     alive,
     children_of,
+    eventually,
     moetier_argv,
     moetier_up,
     service_children,
@@ -118,6 +122,53 @@ def test_a_signal_during_start_up_stops_what_was_started(root: Path) -> None:
         assert up.wait_exit(60) == 0, up.output()
         assert "moetier is up" not in up.output()
         assert_all_gone({str(pid): pid for pid in children})
+
+
+def test_a_sigkill_of_moetier_up_takes_every_child_with_it(root: Path) -> None:
+    config, ports = write_config(root)
+    with moetier_up(config, ports) as up:
+        pids = started(up)
+        up.proc.kill()  # no handler runs: the children must learn of it from the kernel
+        up.proc.wait(10)
+        t0 = time.monotonic()
+
+        def left() -> dict[str, int]:
+            return {name: pid for name, pid in pids.items() if alive(pid)}
+
+        try:
+            eventually(lambda: not left(), 15, "every child of the killed moetier up gone")
+        except AssertionError:
+            pytest.fail(f"still running 15 s after moetier up was SIGKILLed: {left()}")
+        print(f"\nchildren gone {time.monotonic() - t0:.1f} s after moetier up was killed")
+
+
+SLEEPER = """
+import os, subprocess, sys, time
+from moetier.launch import die_with_parent
+child = subprocess.Popen(["sleep", "60"], preexec_fn=die_with_parent(int(sys.argv[1]) or os.getpid()))
+print(child.pid, flush=True)
+print(child.wait(), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_supervised_child_dies_with_its_parent_even_one_already_gone() -> None:
+    parent = subprocess.Popen([sys.executable, "-c", SLEEPER, "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert alive(child)
+        parent.kill()
+        parent.wait(10)
+        eventually(lambda: not alive(child), 5, "the child of a SIGKILLed parent gone")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    # A child whose parent died between fork and prctl would never get the signal: it sees that
+    # its parent is not the one that started it, and exits before exec. (Simulated: the expected
+    # parent is a pid that is not its parent.)
+    r = subprocess.run([sys.executable, "-c", SLEEPER, "1"], capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0 and r.stdout.split()[1] == "1", r.stdout + r.stderr
 
 
 def test_busy_ports_are_refused_before_anything_starts(tmp_path: Path) -> None:
