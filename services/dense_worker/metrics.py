@@ -40,15 +40,12 @@ phase, finish_reason, reason, outcome, tier.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.dense_worker.timing import PHASES
-
-log = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "cancelled", "failed")
 REJECT_REASONS = ("queue_full", "invalid")
@@ -152,17 +149,3 @@ class WorkerMetrics:
         self.predicted.inc(s.predicted)
         self.actual.inc(s.actual)
         self.hits.inc(s.hits)
-
-    def serve(self, host: str, port: int) -> Callable[[], None] | None:
-        """Serve /metrics on host:port (port 0: not at all); returns the stopper."""
-        if port == 0:
-            return None
-        httpd, thread = start_http_server(port, addr=host, registry=self.registry)
-        log.info("metrics on http://%s:%d/metrics", host, port)
-
-        def stop() -> None:
-            httpd.shutdown()
-            httpd.server_close()
-            thread.join(timeout=5)
-
-        return stop

@@ -9,23 +9,16 @@ router membership, lifecycle.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import signal
-from collections.abc import Callable
-
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from moetier.cluster import MemberAgent
 from moetier.errors import InvalidArgument
 from moetier.rpc.errors import rpc_errors
+from moetier.rpc.serving import ServiceServer, listen, new_server, run_until_signal, with_bound_port
 from moetier.rpc.v1 import dense_worker_pb2, dense_worker_pb2_grpc, generate_pb2
 from moetier.settings import Settings
 from services.dense_worker import convert
 from services.dense_worker.core import WorkerCore
-
-log = logging.getLogger(__name__)
 
 SERVICE_NAME = dense_worker_pb2.DESCRIPTOR.services_by_name["DenseWorker"].full_name
 
@@ -58,46 +51,15 @@ class DenseWorkerServicer(dense_worker_pb2_grpc.DenseWorkerServicer):
             return convert.load_to_pb(self.core.load())
 
 
-class WorkerServer:
-    """The gRPC server plus what lives beside it: the core, /metrics, the router agent."""
+class WorkerServer(ServiceServer[WorkerCore]):
+    """The gRPC server plus what lives beside it: the core, health, /metrics, the router agent.
+    Starting warms the kernels and checks the store while health says NOT_SERVING; stopping
+    gives running streams the grace period, then fails what is left, flushes the prefix cache
+    and closes the container."""
 
     def __init__(self, settings: Settings, core: WorkerCore, server: grpc.aio.Server,
-                 health_servicer: health.aio.HealthServicer, agent: MemberAgent | None) -> None:
-        self.settings = settings
-        self.core = core
-        self.agent = agent
-        self._server = server
-        self._health = health_servicer
-        self._stop_metrics: Callable[[], None] | None = None
-
-    async def start(self) -> None:
-        """Accept calls at once (health says NOT_SERVING), warm up, then SERVING and join the router."""
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self._server.start()
-        await self.core.start()
-        ep = self.settings.dense_worker
-        host = ep.bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-        self._stop_metrics = self.core.metrics.serve(host, ep.metrics_port)
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        if self.agent is not None:
-            self.agent.start()  # retries in the background while the router is down
-
-    async def stop(self, grace: float | None) -> None:
-        """Leave the router, refuse new calls, give running streams `grace` seconds, then fail
-        what is left, flush the prefix cache and close the container."""
-        if self.agent is not None:
-            await self.agent.stop()
-        await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
-        await self.core.stop()
-        if self._stop_metrics is not None:
-            self._stop_metrics()
-            self._stop_metrics = None
-
-    async def wait_for_termination(self) -> None:
-        await self._server.wait_for_termination()
+                 agent: MemberAgent | None) -> None:
+        super().__init__("dense worker", SERVICE_NAME, settings.dense_worker, core, server, agent)
 
 
 def create_server(settings: Settings, bind: str = "127.0.0.1:0", *, register: bool = False,
@@ -108,44 +70,22 @@ def create_server(settings: Settings, bind: str = "127.0.0.1:0", *, register: bo
     threads of the step (default: every CPU, see moetier/engine.py)."""
     core = WorkerCore(settings, threads=threads)
     try:
-        # One server per port: without this gRPC sets SO_REUSEPORT, and a second server on the
-        # same port would share it silently instead of failing to bind.
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = new_server()
         dense_worker_pb2_grpc.add_DenseWorkerServicer_to_server(DenseWorkerServicer(core), server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = server.add_insecure_port(bind)
-        if port == 0:
-            raise OSError(f"dense worker: cannot bind {bind}")
+        port = listen(server, bind, "dense worker")
     except BaseException:
         core.container.close()
         raise
     agent = None
     if register:
-        ep = settings.dense_worker
-        host, _, want = ep.address.rpartition(":")
-        if want == "0":
-            settings = settings.model_copy(update={"dense_worker": ep.model_copy(update={"address": f"{host}:{port}"})})
+        settings = with_bound_port(settings, "dense_worker", port)
         agent = MemberAgent.from_settings(settings, "dense_worker", model_id=core.model_id,
                                           load=lambda: convert.load_to_pb(core.load()))
-    return WorkerServer(settings, core, server, health_servicer, agent), port
+    return WorkerServer(settings, core, server, agent), port
 
 
 async def serve(settings: Settings, grace_s: float = 5.0) -> None:
     """Run the worker on settings.dense_worker.bind until SIGINT or SIGTERM, then stop gracefully.
     Joins the router when settings.router.address is set (an empty address: standalone)."""
     server, port = create_server(settings, settings.dense_worker.bind, register=bool(settings.router.address))
-    await server.start()
-    log.info("dense worker serving on %s (port %d)", settings.dense_worker.bind, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-        log.info("dense worker stopping (grace %.1f s)", grace_s)
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        await server.stop(grace_s)
-    log.info("dense worker stopped")
+    await run_until_signal(server, port, grace_s)

@@ -50,10 +50,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -61,8 +60,6 @@ from moetier.errors import MoetierError
 from moetier.rpc.errors import status_code
 from moetier.store.stats import DiskStats, TierStats
 from moetier.store.stats import Histogram as StatsHistogram
-
-log = logging.getLogger(__name__)
 
 P = "moetier_expert_store_"
 ERROR_CODES = ("invalid_argument", "not_found", "resource_exhausted", "unavailable", "data_loss",
@@ -190,18 +187,4 @@ class StoreMetrics:
             code = "cancelled" if isinstance(e, asyncio.CancelledError) else "internal"
             self.errors.labels(code=code).inc()
             raise
-
-    def serve(self, host: str, port: int) -> Callable[[], None] | None:
-        """Serve /metrics on host:port (port 0: not at all); returns the stopper."""
-        if port == 0:
-            return None
-        httpd, thread = start_http_server(port, addr=host, registry=self.registry)
-        log.info("metrics on http://%s:%d/metrics", host, port)
-
-        def stop() -> None:
-            httpd.shutdown()
-            httpd.server_close()
-            thread.join(timeout=5)
-
-        return stop
 

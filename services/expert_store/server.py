@@ -12,23 +12,16 @@ server does: a ComputeExperts answer is T x D x 4 bytes.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import signal
-from collections.abc import Callable
-
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from moetier.cluster import MemberAgent
 from moetier.rpc.errors import rpc_errors
+from moetier.rpc.serving import ServiceServer, listen, new_server, run_until_signal, with_bound_port
 from moetier.rpc.v1 import expert_store_pb2 as pb
 from moetier.rpc.v1 import expert_store_pb2_grpc as pb_grpc
 from moetier.settings import Settings
 from services.expert_store import convert
 from services.expert_store.core import StoreCore
-
-log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ExpertStore"].full_name
 MAX_MESSAGE_BYTES = 1 << 30  # as the dense worker's channel: a prefill chunk of a wide model is tens of MB
@@ -64,45 +57,14 @@ class ExpertStoreServicer(pb_grpc.ExpertStoreServicer):
             return convert.heat_to_pb(await self.core.aheat())
 
 
-class StoreServer:
-    """The gRPC server plus what lives beside it: the core, /metrics, the router agent."""
+class StoreServer(ServiceServer[StoreCore]):
+    """The gRPC server plus what lives beside it: the core, health, /metrics, the router agent.
+    Starting warms the kernels while health says NOT_SERVING; stopping gives running calls the
+    grace period, then saves the usage history and closes the files."""
 
     def __init__(self, settings: Settings, core: StoreCore, server: grpc.aio.Server,
-                 health_servicer: health.aio.HealthServicer, agent: MemberAgent | None) -> None:
-        self.settings = settings
-        self.core = core
-        self.agent = agent
-        self._server = server
-        self._health = health_servicer
-        self._stop_metrics: Callable[[], None] | None = None
-
-    async def start(self) -> None:
-        """Accept calls at once (health says NOT_SERVING), warm the kernels, then SERVING."""
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self._server.start()
-        await self.core.start()
-        ep = self.settings.expert_store
-        host = ep.bind.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-        self._stop_metrics = self.core.metrics.serve(host, ep.metrics_port)
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        if self.agent is not None:
-            self.agent.start()  # retries in the background while the router is down
-
-    async def stop(self, grace: float | None) -> None:
-        """Leave the router, refuse new calls, give running ones `grace` seconds, close the store."""
-        if self.agent is not None:
-            await self.agent.stop()
-        await self._health.enter_graceful_shutdown()
-        await self._server.stop(grace)
-        await self.core.stop()
-        if self._stop_metrics is not None:
-            self._stop_metrics()
-            self._stop_metrics = None
-
-    async def wait_for_termination(self) -> None:
-        await self._server.wait_for_termination()
+                 agent: MemberAgent | None) -> None:
+        super().__init__("expert store", SERVICE_NAME, settings.expert_store, core, server, agent)
 
 
 def create_server(settings: Settings, bind: str = "127.0.0.1:0", *, register: bool = False,
@@ -113,46 +75,23 @@ def create_server(settings: Settings, bind: str = "127.0.0.1:0", *, register: bo
     per call (default: core.kernel_threads()). history_interval_s: learned policy history saves."""
     core = StoreCore(settings, threads=threads, history_interval_s=history_interval_s)
     try:
-        # One server per port: without this gRPC sets SO_REUSEPORT, and a second server on the
-        # same port would share it silently instead of failing to bind.
-        server = grpc.aio.server(options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
+        server = new_server(GRPC_OPTIONS)
         pb_grpc.add_ExpertStoreServicer_to_server(ExpertStoreServicer(core), server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        port = server.add_insecure_port(bind)
-        if port == 0:
-            raise OSError(f"expert store: cannot bind {bind}")
+        port = listen(server, bind, "expert store")
     except BaseException:
         core.close()
         raise
     agent = None
     if register:
-        ep = settings.expert_store
-        host, _, want = ep.address.rpartition(":")
-        if want == "0":
-            settings = settings.model_copy(update={"expert_store": ep.model_copy(
-                update={"address": f"{host}:{port}"})})
+        settings = with_bound_port(settings, "expert_store", port)
         shape = core.shape
         agent = MemberAgent.from_settings(settings, "expert_store", model_id=shape.model_id,
                                           owned=[(layer, 0, shape.n_experts) for layer in shape.moe_layers])
-    return StoreServer(settings, core, server, health_servicer, agent), port
+    return StoreServer(settings, core, server, agent), port
 
 
 async def serve(settings: Settings, grace_s: float = 5.0) -> None:
     """Run the store on settings.expert_store.bind until SIGINT or SIGTERM, then stop gracefully.
     Joins the router when settings.router.address is set (an empty address: standalone)."""
     server, port = create_server(settings, settings.expert_store.bind, register=bool(settings.router.address))
-    await server.start()
-    log.info("expert store serving on %s (port %d)", settings.expert_store.bind, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-        log.info("expert store stopping (grace %.1f s)", grace_s)
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        await server.stop(grace_s)
-    log.info("expert store stopped")
+    await run_until_signal(server, port, grace_s)

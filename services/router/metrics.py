@@ -20,16 +20,13 @@ to keep in step. Labels are bounded: outcome, reason, kind.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.router.registry import LeaveReason, MemberKind
 from services.router.scheduler import Reason
-
-log = logging.getLogger(__name__)
 
 OUTCOMES = ("ok", "cancelled", "rejected", "unavailable", "invalid", "error")
 _QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -78,17 +75,3 @@ class RouterMetrics:
         self.in_flight.set_function(in_flight)
         for kind in MemberKind:
             self.members.labels(kind=kind.value).set_function(lambda k=kind: members(k))  # type: ignore[misc]
-
-    def serve(self, host: str, port: int) -> Callable[[], None] | None:
-        """Serve /metrics on host:port (port 0: not at all); returns the stopper."""
-        if port == 0:
-            return None
-        httpd, thread = start_http_server(port, addr=host, registry=self.registry)
-        log.info("metrics on http://%s:%d/metrics", host, port)
-
-        def stop() -> None:
-            httpd.shutdown()
-            httpd.server_close()
-            thread.join(timeout=5)
-
-        return stop
