@@ -82,7 +82,8 @@ def register(sub: Any) -> None:
                    "(default 25%%)")
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per request (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="prompt tokens per request (default 32)")
-    p.add_argument("--rounds", type=int, default=2, help="engine/cluster pairs, alternating order (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="engine/cluster pairs, alternating order (default 3: "
+                   "on a shared machine single rounds ranged 0.9-1.7)")
     p.add_argument("--policy", choices=["lru", "lfu", "learned"],
                    help="replacement policy of both tiers (default: settings cache.policy)")
     p.add_argument("--threads", type=int, help="kernel threads of the engine and the dense worker "
@@ -357,7 +358,8 @@ def _engine_trial(s: Setup, t: Trial) -> None:
                 toks.append(g.token)
                 if first is None:
                     first = counts(tier.stats(), engine.model)
-            end = counts(tier.stats(), engine.model)  # decode ends with the last token
+            end = counts(tier.stats(), engine.model)  # decode ends with the last token (reads still in
+            # flight are counted in neither request)
             _quiesce(tier.stats)
             assert first is not None
             t.requests.append(_request(s, t, toks, before, first, end))
