@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Callable
 from typing import Generic, Literal, Protocol, TypeVar
 
@@ -24,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from moetier.cluster import MemberAgent
+from moetier.errors import InvalidArgument, Unavailable
 from moetier.settings import Endpoint, Settings
 
 
@@ -52,12 +54,75 @@ def new_server(options: list[tuple[str, int]] | None = None) -> grpc.aio.Server:
     return grpc.aio.server(options=[*(options or []), ("grpc.so_reuseport", 0)])
 
 
+def _split(bind: str) -> tuple[str, int] | None:
+    """'host:port' or '[v6]:port' -> (host, port); None for other forms (gRPC's `unix:` ones)."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit() or bind.startswith("unix"):
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _bind_each(host: str, port: int) -> tuple[socket.socket | None, str]:
+    """A TCP socket bound to host:port (SO_REUSEADDR, as gRPC and the HTTP servers set it: a
+    TIME_WAIT leftover is no conflict), trying each address the host resolves to; else None and
+    why not."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        return None, f"cannot resolve {host!r} ({e.strerror})"
+    why = ""
+    for family, kind, proto, _, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            return sock, ""
+        except OSError as e:
+            sock.close()
+            why = why or (e.strerror or str(e)).lower()
+    return None, why
+
+
+def bind_problem(bind: str) -> str | None:
+    """Why nothing can listen on `bind` now (e.g. "address already in use"), or None when it
+    can (or cannot be checked: port 0, a unix socket)."""
+    hp = _split(bind)
+    if hp is None or hp[1] == 0:
+        return None
+    sock, why = _bind_each(*hp)
+    if sock is not None:
+        sock.close()
+        return None
+    return why
+
+
+def bind_socket(bind: str, what: str) -> socket.socket:
+    """A TCP socket bound to `bind` (host:port), for a server that takes a socket (the gateway's
+    uvicorn); Unavailable naming the address when that fails."""
+    hp = _split(bind)
+    if hp is None:
+        raise InvalidArgument(f"{what}: bind address {bind!r}: expected host:port")
+    sock, why = _bind_each(*hp)
+    if sock is None:
+        raise Unavailable(f"{what}: cannot listen on {bind}: {why}")
+    return sock
+
+
 def listen(server: grpc.aio.Server, bind: str, what: str) -> int:
-    """Bind `server` to `bind` (host:port; port 0: any free port); the bound port."""
-    port = server.add_insecure_port(bind)
-    if port == 0:
-        raise OSError(f"{what}: cannot bind {bind}")
-    return port
+    """Bind `server` to `bind` (host:port; port 0: any free port); the bound port. An address
+    that cannot be bound is an Unavailable naming it and why, in one line: the address is tried
+    with a plain socket first (the OS says why; gRPC only says that it failed, and logs its own
+    error line), then gRPC binds it (this grpcio raises RuntimeError rather than returning 0)."""
+    why = bind_problem(bind)
+    if why is None:
+        try:
+            port = server.add_insecure_port(bind)
+        except RuntimeError:
+            port = 0
+        if port:
+            return port
+        why = "gRPC could not bind it (GRPC_VERBOSITY=debug says why)"
+    raise Unavailable(f"{what}: cannot listen on {bind}: {why}")
 
 
 def with_bound_port(settings: Settings, section: Literal["dense_worker", "expert_store"], port: int) -> Settings:
@@ -70,11 +135,15 @@ def with_bound_port(settings: Settings, section: Literal["dense_worker", "expert
     return settings.model_copy(update={section: ep.model_copy(update={"address": f"{host}:{port}"})})
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Callable[[], None] | None:
-    """Serve `registry` at http://host:port/metrics (port 0: not at all); returns the stopper."""
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, what: str) -> Callable[[], None] | None:
+    """Serve `registry` at http://host:port/metrics (port 0: not at all); returns the stopper.
+    Unavailable naming the address when it cannot be bound."""
     if port == 0:
         return None
-    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise Unavailable(f"{what}: cannot serve /metrics on {host}:{port}: {(e.strerror or str(e)).lower()}") from None
 
     def stop() -> None:
         httpd.shutdown()
@@ -113,12 +182,16 @@ class ServiceServer(Generic[C]):
 
     async def start(self) -> None:
         """Accept calls at once (health says NOT_SERVING), start the core (warm-up), serve
-        /metrics, then SERVING and join the router."""
+        /metrics, then SERVING and join the router. A /metrics port that is taken is refused
+        before anything starts (not after a long warm-up)."""
+        host, port = metrics_host(self.endpoint.bind), self.endpoint.metrics_port
+        why = bind_problem(f"[{host}]:{port}")
+        if why is not None:
+            raise Unavailable(f"{self.name}: cannot serve /metrics on {host}:{port}: {why}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
         await self.core.start()
-        host, port = metrics_host(self.endpoint.bind), self.endpoint.metrics_port
-        self._stop_metrics = serve_metrics(self.core.metrics.registry, host, port)
+        self._stop_metrics = serve_metrics(self.core.metrics.registry, host, port, self.name)
         if self._stop_metrics is not None:
             self.log.info("metrics on http://%s:%d/metrics", host, port)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -145,7 +218,14 @@ async def run_until_signal(service: ServiceServer[C], port: int, grace_s: float)
     """Start `service`, serve until SIGINT or SIGTERM, then stop it with `grace_s` seconds for
     the calls in flight."""
     log = service.log
-    await service.start()
+    try:
+        await service.start()
+    except BaseException:
+        try:
+            await service.stop(0)  # what did start (server, core) stops; the start's error is the one told
+        except Exception:
+            log.exception("%s: stopping after a failed start", service.name)
+        raise
     log.info("%s serving on %s (port %d)", service.name, service.endpoint.bind, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
