@@ -3,12 +3,17 @@ across its backends (C AVX-512, C portable, numba: the same bits)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 
 from moetier.kernels import FastOps, c_available, warmup
+from moetier.kernels.fast import Backend
 from moetier.model.ops import ReferenceOps, combine_slots
-from moetier.weights.quant import ExpertWeights, QTensor, quantize
+from moetier.weights.quant import ExpertWeights, QDType, QTensor, quantize
 
 BACKENDS = ["c", "c-portable", "numba"] if c_available() else ["numba"]
 REF = ReferenceOps()
@@ -330,6 +335,118 @@ def test_concurrent_callers_and_thread_counts_give_the_same_bits() -> None:
     for t in ths:
         t.join()
     assert len(results) == 200 and all(results)
+
+
+def pool_stress(make_ops: Callable[[int], FastOps], callers_s: float, back_to_back_s: float) -> None:
+    """The C work pool under load: four Python threads (1 to 8 kernel threads each, more
+    threads than cores) call linear, expert FFN, attention and moe with shapes whose jobs
+    have from 1 to a few dozen chunks, in a different order each; then one caller issues
+    tiny jobs back to back whose chunk counts alternate (2, 16, 4, 8), so that a new job
+    starts while helpers are still leaving the previous one. Every result is checked bit
+    for bit against a single-threaded run. A helper running a chunk of a finished job, or
+    a caller returning before a chunk ends, shows up as wrong bits or a crash."""
+    import threading
+    import time
+
+    rng = np.random.default_rng(21)
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    linears: list[tuple[int, int, int, QDType]] = [(256, 64, 1, "f32"), (2048, 64, 2, "f32"), (300, 256, 3, "int4"),
+                                                   (16, 1024, 1, "f32"), (64, 1024, 5, "f32"), (900, 256, 1, "int8"),
+                                                   (40, 64, 1, "bf16")]
+    for r, c, t, dt in linears:
+        calls.append(("linear", (rand(rng, t, c), quantize(rand(rng, r, c), dt, 32), rand(rng, r))))
+    for t, h, hkv, s, dq, dv in [(1, 4, 4, 9, 16, 16), (3, 8, 2, 20, 40, 24), (1, 16, 1, 33, 32, 16)]:
+        pos = np.sort(rng.integers(0, s, t)).astype(np.int64)
+        calls.append(("attention", (rand(rng, t, h, dq), rand(rng, s, hkv, dq), rand(rng, s, hkv, dv), pos, 0.125)))
+    for t, d, i in [(1, 128, 96), (4, 256, 64), (2, 64, 512), (128, 1024, 64)]:  # last: down has 2x gate's chunks
+        calls.append(("expert_ffn", (rand(rng, t, d), experts_of(rng, 1, d, i, "int4", 32)[0])))
+    ex = experts_of(rng, 4, 128, 160, "int4", 32)
+    for t in (1, 6):
+        calls.append(("moe", (rand(rng, t, 128), rng.integers(0, 4, (t, 2)).astype(np.int32),
+                              rng.random((t, 2), dtype=np.float32), ex)))
+
+    def run(ops: FastOps, j: int) -> np.ndarray:
+        name, args = calls[j]
+        return bits(getattr(ops, name)(*args))
+
+    one = make_ops(1)
+    want = [run(one, j) for j in range(len(calls))]
+    wrong: list[tuple[int, str]] = []
+    done = [0] * 4
+    stop = time.monotonic() + callers_s
+
+    def worker(n: int, threads: int) -> None:
+        ops = make_ops(threads)
+        order = np.random.default_rng(n)
+        while time.monotonic() < stop:
+            for j in order.permutation(len(calls)).tolist():
+                if not np.array_equal(run(ops, j), want[j]):
+                    wrong.append((threads, calls[j][0]))
+                done[n] += 1
+
+    ths = [threading.Thread(target=worker, args=(n, threads)) for n, threads in enumerate((1, 2, 4, 8))]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    assert not wrong, f"{len(wrong)} of {sum(done)} calls gave other bits, e.g. {wrong[:5]}"
+    assert min(done) >= len(calls)
+
+    tiny = [quantize(rand(rng, r, 64), "f32", 0) for r in (256, 2048, 512, 1024)]  # 2, 16, 4, 8 chunks
+    x = rand(rng, 1, 64)
+    tiny_want = [bits(one.linear(x, w)) for w in tiny]
+    ops = make_ops(8)
+    n_tiny = 0
+    stop = time.monotonic() + back_to_back_s
+    while time.monotonic() < stop:
+        for w, expect in zip(tiny, tiny_want, strict=True):
+            assert np.array_equal(bits(ops.linear(x, w)), expect), f"after {n_tiny} back-to-back jobs"
+            n_tiny += 1
+    assert n_tiny >= 100
+
+
+@pytest.mark.skipif(not c_available(), reason="the C extension is not built")
+@pytest.mark.parametrize("backend", ["c", "c-portable"])
+def test_pool_under_concurrent_callers_and_back_to_back_jobs_gives_the_same_bits(backend: Backend) -> None:
+    pool_stress(lambda threads: FastOps(backend, threads=threads), callers_s=1.0, back_to_back_s=0.5)
+
+
+def test_pool_with_stalls_injected_between_its_steps_gives_the_same_bits(tmp_path: Path) -> None:
+    """The same stress on a build of _ckernels.c with MT_POOL_JITTER: every pool thread
+    stalls at random between the steps of the claim protocol (see pool_jitter), which
+    turns rare interleavings -- a helper preempted between reading the count of chunks
+    left and claiming one, or between finishing a chunk and counting it, while the caller
+    moves on to its next job -- into common ones. (The extension's previous protocol,
+    which let the caller return while a helper still ran a chunk, failed this test in
+    9 runs of 10, mostly with a segfault.)"""
+    import importlib.util
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    from moetier.kernels import fast
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    include = sysconfig.get_paths()["include"]
+    if not sys.platform.startswith("linux") or not cc or not (Path(include) / "Python.h").exists():
+        pytest.skip("builds the extension with cc on Linux: no compiler, Python headers or Linux here")
+    src = Path(fast.__file__).with_name("_ckernels.c")
+    so = tmp_path / f"_ckernels{sysconfig.get_config_var('EXT_SUFFIX')}"
+    # the contract's flags (pyproject.toml), at -O1 to build in about two seconds: same bits
+    subprocess.run([cc, "-O1", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-shared", "-fPIC",
+                    "-DMT_POOL_JITTER", f"-I{include}", str(src), "-o", str(so)], check=True)
+    spec = importlib.util.spec_from_file_location("_ckernels", so)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def make_ops(threads: int) -> FastOps:
+        ops = FastOps("numba", threads=threads)
+        ops._k = fast._CBackend(mod, True, threads)  # the jittered build, same shapes and checks
+        return ops
+
+    pool_stress(make_ops, callers_s=0.5, back_to_back_s=1.5)
 
 
 @pytest.mark.skipif(not c_available(), reason="the C extension is not built")

@@ -36,7 +36,7 @@ F32 = npt.NDArray[np.float32]
 Backend = Literal["auto", "c", "c-portable", "numba"]
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
 
-C_KERNELS_VERSION = 4  # MT_KERNELS_VERSION in _ckernels.c
+C_KERNELS_VERSION = 5  # MT_KERNELS_VERSION in _ckernels.c
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
