@@ -36,16 +36,18 @@ async def test_hints_reach_the_store_from_one_sender_thread(tmp_path: Path) -> N
         remote = RemoteExperts(f"127.0.0.1:{port}", server.core.shape.model_id, timeout_s=5)
         await asyncio.to_thread(remote.check)
         layer = server.core.shape.moe_layers[0]
-        threads_before = threading.active_count()
 
-        def hint_all() -> None:
+        def hint_all() -> tuple[int, int]:
+            # counted from inside the executor thread, so starting that thread is not counted
+            before = threading.active_count()
             for e in range(8):
                 remote.new_step()
                 remote.prefetch(layer, np.array([e], dtype=np.int32))
                 time.sleep(0.01)  # each hint answered before the next: an idle channel every time
+            return before, threading.active_count()
 
-        await asyncio.to_thread(hint_all)
-        assert len(senders()) == 1 and threading.active_count() <= threads_before + 1
+        before, after = await asyncio.to_thread(hint_all)
+        assert len(senders()) == 1 and after <= before + 1, (before, after)
         deadline = time.monotonic() + 5
         while server.core.tier_stats().prefetch_hints < 8:
             assert time.monotonic() < deadline, "the hints did not reach the store"

@@ -33,6 +33,7 @@ from moetier.rpc.v1 import expert_store_pb2_grpc as pb_grpc
 from moetier.settings import Settings, load_settings
 from moetier.store.history import load_history
 from moetier.store.provider import TieredExperts
+from moetier.store.stats import HEAT_RAM
 from moetier.store.tier import TierConfig
 from moetier.weights.container import Container
 from services.expert_store import metrics as metrics_module
@@ -454,6 +455,11 @@ async def test_prefetch_then_compute_counts_as_useful(model: Path, tmp_path: Pat
         assert st.metric("moetier_expert_store_prefetch_queued_total") == 2
         r = await st.stub.Prefetch(pb.PrefetchRequest(layer=2, expert_ids=[4, 5], step=2), timeout=2)
         assert (r.queued, r.resident, r.dropped) == (1, 1, 0)
+        for _ in range(500):  # let expert 5's read finish: a hint still queued at step 5 would be stale
+            heat = st.core.tier.heat()
+            if heat.state[list(heat.layers).index(2), 5] == HEAT_RAM:
+                break
+            await asyncio.sleep(0.01)
         await st.compute(1, *batch(rng, 1), step=5)
         r = await st.stub.Prefetch(pb.PrefetchRequest(layer=1, expert_ids=[7], step=4), timeout=2)
         assert (r.queued, r.resident, r.dropped) == (0, 0, 1)  # older than the latest step: stale
