@@ -143,7 +143,7 @@ def test_synth_and_inspect_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     out = tmp_path / "c"
     assert main(["synth", "--preset", "tiny-olmoe", "--out", str(out), "--seed", "3"]) == 0
     assert Container.open(out, verify=True).manifest["source"] == {
-        "kind": "synth", "model_type": "olmoe", "preset": "tiny-olmoe", "seed": 3, "files": {}}
+        "kind": "synth", "model_type": "olmoe", "preset": "tiny-olmoe", "seed": 3, "generator": 2, "files": {}}
     capsys.readouterr()
     assert main(["inspect", str(out), "--verify", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -180,3 +180,16 @@ def test_transformers_loads_synth_checkpoints(tmp_path: Path, fused: bool) -> No
         rms = [float(h.float().pow(2).mean().sqrt()) for h in out.hidden_states]
         assert all(0.3 < r < 10 for r in rms), (name, rms)
         assert torch.isfinite(out.logits).all() and 0.3 < float(out.logits.std()) < 5
+
+
+def test_inspect_refuses_to_regenerate_for_another_generator(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A synth container from an older weight generator gets no made-up error figures."""
+    out = tmp_path / "old"
+    assert main(["synth", "--preset", "tiny-qwen3_moe", "--out", str(out)]) == 0
+    manifest = json.loads((out / "moetier.json").read_text())
+    manifest["source"]["generator"] = 1
+    (out / "moetier.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "not available: built by synth generator 1" in capsys.readouterr().out

@@ -61,7 +61,11 @@ def inspect_container(path: str, verify: bool = False) -> dict[str, Any]:
             cls = tensor_class(name, spec.shape)
             by_class[cls] = by_class.get(cls, 0) + nbytes
         by_class["experts"] = c.expert_bytes
-        if c.source.get("kind") == "synth":
+        built_by = c.source.get("generator", 1)
+        if c.source.get("kind") == "synth" and built_by != synth.GENERATOR_VERSION:
+            errors, err_source = {}, (f"not available: built by synth generator {built_by}, this moetier "
+                                      f"regenerates with {synth.GENERATOR_VERSION}")
+        elif c.source.get("kind") == "synth":
             errors, err_source = synth_errors(c), "regenerated from preset and seed (sampled layers and experts)"
         elif "quant_error" in c.manifest:
             errors, err_source = c.manifest["quant_error"], "measured during conversion (sampled experts)"

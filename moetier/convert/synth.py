@@ -233,6 +233,9 @@ def _std(name: str, shape: tuple[int, ...], d: int) -> float:
 # model behaves like a confident bigram model (median gap several nats) while every layer still
 # shapes the logits. Quantization studies on synth models are then not dominated by near-ties.
 READOUT_ALIGNMENT = 4.0
+# Version of the weight generator, recorded in synth manifests: inspect regenerates source
+# tensors only for containers made by this version (2: the confident readout above).
+GENERATOR_VERSION = 2
 
 
 def dense_tensor(name: str, shape: tuple[int, ...], seed: int, hidden: int) -> F32:
@@ -444,7 +447,8 @@ def write_container(preset: str, out_dir: Path, seed: int, experts: QDType = "in
     cfg = json.dumps(dict(p.config, dtype="bfloat16"), indent=2) + "\n"
     copies: dict[str, bytes | Path] = {"config.json": cfg.encode()}
     copies.update(tokenizer_files(p.tokenizer_vocab, args.max_position_embeddings))
-    source = {"kind": "synth", "model_type": p.config["model_type"], "preset": preset, "seed": seed, "files": {}}
+    source = {"kind": "synth", "model_type": p.config["model_type"], "preset": preset, "seed": seed,
+              "generator": GENERATOR_VERSION, "files": {}}
     w.finish(source, copies)
     return out_dir
 
