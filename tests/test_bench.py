@@ -126,7 +126,9 @@ def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
             p = r[kind][phase]
             for key in ("ttft_s", "decode_tok_s", "s_per_token", "bound_s", "disk_bound_s", "memory_bound_s",
                         "hit_rate", "missed_mb_per_token", "touched_mb_per_token", "prefetch_recall", "expert_s",
-                        "hint_s", "rest_s"):
+                        "hint_s", "read_wait_s", "rest_s"):
                 assert set(p[key]) == {"median", "min", "max"}, key
             assert p["touched_mb_per_token"]["min"] > 0
-    assert set(r["cluster"]["warm"]["hops"]) == {"worker_step_s", "store_s", "rpc_hop_s", "stream_hop_s"}
+    assert set(r["cluster"]["warm"]["hops"]) == {"worker_step_s", "store_s", "store_load_s", "call_s", "rpc_hop_s",
+                                                 "stream_hop_s"}
+    assert r["cluster_processes"] is True  # the services each in a process of their own, as `moetier up`

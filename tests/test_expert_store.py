@@ -570,13 +570,21 @@ async def test_dense_worker_provider_over_the_store_equals_the_in_process_engine
         async with running(store_settings(model, tmp_path)) as st:
             remote = RemoteExperts(f"127.0.0.1:{st.port}", c.index.identity, timeout_s=10, hidden_size=D)
             try:
-                for layer in (*LAYERS, *LAYERS):
-                    remote.new_step()
-                    x, ids, w = batch(rng, 5)
-                    y = await asyncio.to_thread(remote.moe, layer, x, ids, w)
-                    assert np.array_equal(y, engine.moe(layer, x, ids, w))
-                assert remote.stats.calls == 4 and remote.stats.failed_calls == 0
-                assert (await st.stub.Heat(pb.HeatRequest(), timeout=2)).step == 4
+                # 1 row: the store computes on its event loop's thread; 5 rows: on its compute thread.
+                # moe_start: the call made by the provider's caller thread while this one waits.
+                for rows in (5, 1):
+                    for layer in (*LAYERS, *LAYERS):
+                        remote.new_step()
+                        x, ids, w = batch(rng, rows)
+                        want = engine.moe(layer, x, ids, w)
+                        assert np.array_equal(await asyncio.to_thread(remote.moe, layer, x, ids, w), want)
+                        call = remote.moe_start(layer, x, ids, w)
+                        assert np.array_equal(await asyncio.to_thread(call.result), want)
+                assert remote.stats.calls == 16 and remote.stats.failed_calls == 0 and remote.stats.call_s > 0
+                assert (await st.stub.Heat(pb.HeatRequest(), timeout=2)).step == 8
+                remote.moe_start(LAYERS[0], x, ids, w).abandon()  # nobody waits: dropped, the provider goes on
+                assert np.array_equal(await asyncio.to_thread(remote.moe, LAYERS[0], x, ids, w),
+                                      engine.moe(LAYERS[0], x, ids, w))
             finally:
                 remote.close()
         engine.close()

@@ -4,7 +4,9 @@ cache round-trips, prefetch hints are measured and never change outputs, bad inp
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import helpers_hf as hf
 import numpy as np
@@ -171,6 +173,41 @@ def test_prefetch_hints_are_measured_and_change_nothing(checkpoints: dict[str, C
     assert 0.0 <= st.recall <= 1.0 and set(st.by_layer) == set(moe_layers)
     assert off.experts.hints == [] and off.stats.prefetch.actual == 0  # type: ignore[attr-defined]
     assert on.stats.steps == 1 and on.stats.tokens == 10
+
+
+class StartedExperts(CountingExperts):
+    """A provider that computes elsewhere: `moe_start` runs the call on another thread."""
+
+    def __init__(self, *a: object, **kw: object) -> None:
+        super().__init__(*a, **kw)
+        self.pool = ThreadPoolExecutor(1)
+        self.started = 0
+
+    def moe_start(self, layer: int, x: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> Any:
+        self.started += 1
+        fut = self.pool.submit(self.moe, layer, x, ids, weights)
+
+        class Call:
+            result = staticmethod(fut.result)
+            abandon = staticmethod(fut.cancel)
+
+        return Call()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "mixtral"])
+def test_a_started_moe_overlapping_the_shared_expert_changes_nothing(arch: str,
+                                                                       checkpoints: dict[str, Checkpoint]) -> None:
+    args, dense, experts = checkpoints[arch]
+    ops = ReferenceOps()
+    plain = Model(args, dense, ops, CountingExperts(experts, ops))
+    started_experts = StartedExperts(experts, ops)
+    started = Model(args, dense, ops, started_experts)
+    ids = tokens(args, 10, 9)
+    np.testing.assert_array_equal(teacher_forced_logits(started, ids), teacher_forced_logits(plain, ids))
+    # only layers with a shared expert have something to overlap; the others call moe directly
+    assert started_experts.started == (len(args.moe_layer_ids) if args.shared_intermediate_size else 0)
+    assert started_experts.moe_calls == plain.experts.moe_calls  # type: ignore[attr-defined]
+    started_experts.pool.shutdown()
 
 
 def test_step_refuses_bad_input_and_leaves_caches_alone(checkpoints: dict[str, Checkpoint]) -> None:

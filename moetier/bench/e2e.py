@@ -7,11 +7,16 @@ over `--rounds`, so disk drift hits both):
   * engine: the in-process reference (`moetier.engine.Engine`: resident dense part, FastOps,
     `TieredExperts`), its tier configured exactly as the expert store configures its own
     (`tier_config`: budget, policy, prefetch bound; the store's queue depth and O_DIRECT);
-  * cluster: router -> dense worker -> expert store, real gRPC servers in this process on
-    loopback port 0, the request sent to the router's Generate as the gateway sends it. The
-    worker's prefix cache is off, so the second request is prefilled like the first. The
-    store computes with as many kernel threads as the engine (`--store-threads`; its own
-    default is CPUs - 1), so the two differ by the hops, not by their kernels' threads.
+  * cluster: router -> dense worker -> expert store, real gRPC servers on loopback port 0,
+    each in a process of its own as `moetier up` runs them (its own interpreter, GIL, event
+    loop and kernel thread pool; `--in-process` puts all three in this process instead, one
+    GIL among them, which costs the cluster time a deployment does not pay), the request sent
+    to the router's Generate as the gateway sends it. The worker's prefix cache is off, so the
+    second request is prefilled like the first. The store computes with as many kernel
+    threads as the engine (`--store-threads`; its own default is CPUs - 1), so the two differ
+    by the hops, not by their kernels' threads. The services' counters are read through a
+    pipe to each process (a thread there answers; it is asked only between requests and at
+    a request's first token).
 
 Each trial starts its system fresh (page cache dropped where root, tier empty) and runs two
 requests of the same `--prompt-tokens` tokens of shipped text, each generating `--tokens`
@@ -42,15 +47,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +69,9 @@ import numpy as np
 from moetier.bench import models
 from moetier.bench.compute import copy_gbps
 from moetier.bench.io import _drop_page_cache, _fio_pass
-from moetier.errors import InvalidArgument
+from moetier.errors import InvalidArgument, Unavailable
 from moetier.kernels.fast import default_threads
+from moetier.model.ops import start_moe
 from moetier.settings import Settings, load_settings
 from moetier.store.stats import TierStats
 from moetier.store.tier import TierConfig
@@ -68,8 +79,10 @@ from moetier.store.tier import TierConfig
 log = logging.getLogger(__name__)
 
 TARGET = 1.15
-QUIESCE_S = 2.0
-QUIET_LOGGERS = ("services", "moetier.cluster", "moetier.store", "moetier.engine")  # wait this long at most for prefetch reads in flight before the final count
+QUIESCE_S = 2.0  # wait this long at most for prefetch reads in flight before the final count
+QUIET_LOGGERS = ("services", "moetier.cluster", "moetier.store", "moetier.engine")
+CHILD_START_S = 300.0  # a service process's start (imports, dense tensors, kernel warm-up) at most
+CHILD_REPLY_S = 60.0  # a service process's answer to a counters request at most
 
 
 def register(sub: Any) -> None:
@@ -92,6 +105,8 @@ def register(sub: Any) -> None:
                    "the engine's, so the two compute alike; the store's own default is CPUs - 1)")
     p.add_argument("--fio-records", type=int, default=64, help="records fio reads per trial (default 64)")
     p.add_argument("--copy-mb", type=int, default=512, help="size of the memory bandwidth copy (default 512 MiB)")
+    p.add_argument("--in-process", action="store_true", help="run router, dense worker and expert store in this "
+                   "process (one GIL, one event loop) instead of a process each, as `moetier up` runs them")
     p.set_defaults(func=run)
 
 
@@ -111,9 +126,12 @@ class Counts:
     predicted: int = 0  # the model's prefetch prediction: experts hinted
     actual: int = 0  # experts the layers then used
     pf_hits: int = 0  # hinted and used
+    read_wait_s: float = 0.0  # the tier's wait for demanded experts' reads (calls with misses)
     store_load_s: float = 0.0  # cluster: the store's time making the calls' unions resident
     store_compute_s: float = 0.0  # cluster: the store's kernel time
     expert_s: float = 0.0  # the model's wait on its expert provider's `moe` (tier + kernels, or the RPC)
+    call_s: float = 0.0  # the provider's calls from start to answer (cluster: the ComputeExperts round
+    # trips, which the shared expert overlaps; engine: the same as expert_s)
     hint_s: float = 0.0  # the model's time in its provider's `prefetch` (issuing the hints)
 
     def __sub__(self, o: Counts) -> Counts:
@@ -137,6 +155,15 @@ class TimedExperts:
         finally:
             self.moe_s += time.perf_counter() - t
 
+    def moe_start(self, layer: int, x: Any, ids: Any, weights: Any) -> Any:
+        """The model's wait: starting the call, then waiting for its result (the shared expert
+        computes in between, counted in neither)."""
+        t = time.perf_counter()
+        try:
+            return _TimedCall(self, start_moe(self.inner, layer, x, ids, weights))
+        finally:
+            self.moe_s += time.perf_counter() - t
+
     def prefetch(self, layer: int, ids: Any) -> None:
         t = time.perf_counter()
         try:
@@ -145,19 +172,53 @@ class TimedExperts:
             self.prefetch_s += time.perf_counter() - t
 
 
-def counts(tier: TierStats, model: Any, store_metrics: Any = None) -> Counts:
+class _TimedCall:
+    def __init__(self, clock: TimedExperts, call: Any) -> None:
+        self.clock, self.call = clock, call
+
+    def result(self) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.call.result()
+        finally:
+            self.clock.moe_s += time.perf_counter() - t
+
+    def abandon(self) -> None:
+        self.call.abandon()
+
+
+def tier_counts(tier: TierStats) -> dict[str, Any]:
+    """The tier's part of `Counts` (the engine's tier, or the store's)."""
     io = tier.io
+    return {"hits": sum(tier.hits.values()), "misses": sum(tier.misses.values()),
+            "submitted": io.submitted if io else 0, "cancelled": io.cancelled if io else 0,
+            "read_bytes": io.bytes if io else 0, "pf_issued": tier.prefetch_issued,
+            "pf_useful": tier.prefetch_useful, "read_wait_s": tier.miss_wait.sum}
+
+
+def store_counts(core: Any) -> dict[str, Any]:
+    """The expert store's part of `Counts`: its tier, and its own load and kernel time."""
+    reg = core.metrics.registry
+    return {**tier_counts(core.tier_stats()),
+            "store_load_s": reg.get_sample_value("moetier_expert_store_load_seconds_sum") or 0.0,
+            "store_compute_s": reg.get_sample_value("moetier_expert_store_compute_seconds_sum") or 0.0}
+
+
+def model_counts(model: Any) -> dict[str, Any]:
+    """The model's part of `Counts`: its prefetch prediction, and its `TimedExperts` clock."""
     pf = model.stats.prefetch
     clock = model.experts
-    c = Counts(time.perf_counter(), sum(tier.hits.values()), sum(tier.misses.values()),
-               io.submitted if io else 0, io.cancelled if io else 0, io.bytes if io else 0,
-               tier.prefetch_issued, tier.prefetch_useful, pf.predicted, pf.actual, pf.hits,
-               expert_s=clock.moe_s, hint_s=clock.prefetch_s)
-    if store_metrics is not None:
-        reg = store_metrics.registry
-        c.store_load_s = reg.get_sample_value("moetier_expert_store_load_seconds_sum") or 0.0
-        c.store_compute_s = reg.get_sample_value("moetier_expert_store_compute_seconds_sum") or 0.0
-    return c
+    # RemoteExperts: its round trips; in-process: the wait itself
+    call_s = float(getattr(getattr(clock.inner, "stats", None), "call_s", clock.moe_s))
+    return {"predicted": pf.predicted, "actual": pf.actual, "pf_hits": pf.hits, "expert_s": clock.moe_s,
+            "call_s": call_s, "hint_s": clock.prefetch_s}
+
+
+def counts(t: float, *parts: dict[str, Any]) -> Counts:
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return Counts(t, **merged)
 
 
 @dataclass
@@ -176,6 +237,9 @@ class Phase:
     expert_s: float  # per step: the model's wait on `moe` calls
     hint_s: float  # per step: the model's time issuing prefetch hints
     store_s: float  # cluster, per step: the store's load + kernel time (0 for the engine)
+    read_wait_s: float  # per step: the tier's wait for demanded reads (within expert_s, or store_s)
+    store_load_s: float  # cluster, per step: the store's load time alone (hits, reads, waits)
+    call_s: float  # per step: the provider's calls from start to answer
 
     @property
     def s_per_token(self) -> float:
@@ -195,7 +259,8 @@ def phase(d: Counts, steps: int, record: int, dense_step: int, fio_gbps: float, 
     return Phase(steps, d.t, d.hits / demanded if demanded else 0.0, missed_b, d.read_bytes / steps, touched_b,
                  missed_b / (fio_gbps * 1e9), touched_b / (mem_gbps * 1e9),
                  d.pf_hits / d.actual if d.actual else 0.0, d.expert_s / steps, d.hint_s / steps,
-                 (d.store_load_s + d.store_compute_s) / steps)
+                 (d.store_load_s + d.store_compute_s) / steps, d.read_wait_s / steps, d.store_load_s / steps,
+                 d.call_s / steps)
 
 
 @dataclass
@@ -241,6 +306,7 @@ class Setup:
     fio: str
     fio_records: int
     copy: tuple[np.ndarray, np.ndarray]
+    processes: bool  # the cluster's services each in a process of their own
 
 
 def run(args: argparse.Namespace) -> int:
@@ -302,7 +368,7 @@ def prepare(args: argparse.Namespace, fio: str) -> Setup:
     threads = args.threads if args.threads is not None else default_threads()
     store_threads = args.store_threads if args.store_threads is not None else threads
     return Setup(model, settings, config, prompt, args.tokens, threads, store_threads, record, dense,
-                 files, fio, args.fio_records, (src, dst))
+                 files, fio, args.fio_records, (src, dst), not args.in_process)
 
 
 def trial(s: Setup, kind: str, root: bool) -> Trial:
@@ -350,15 +416,18 @@ def _engine_trial(s: Setup, t: Trial) -> None:
         t.start_s = time.perf_counter() - t0
         params = SamplingParams(temperature=0.0, max_tokens=s.tokens, ignore_eos=True)
         tier = engine.experts.tier
+        def now() -> Counts:
+            return counts(time.perf_counter(), tier_counts(tier.stats()), model_counts(engine.model))
+
         for _ in range(2):
-            before = counts(tier.stats(), engine.model)
+            before = now()
             first: Counts | None = None
             toks: list[int] = []
             for g in engine.generate(s.prompt, params, chunk_size=s.settings.inference.prefill_chunk):
                 toks.append(g.token)
                 if first is None:
-                    first = counts(tier.stats(), engine.model)
-            end = counts(tier.stats(), engine.model)  # decode ends with the last token (reads still in
+                    first = now()
+            end = now()  # decode ends with the last token (reads still in
             # flight are counted in neither request)
             _quiesce(tier.stats)
             assert first is not None
@@ -378,12 +447,57 @@ async def _cluster_trial(s: Setup, t: Trial) -> None:
     import grpc
 
     from moetier.rpc.v1 import generate_pb2, router_pb2_grpc
+
+    t0 = time.perf_counter()
+    data = Path(tempfile.mkdtemp(prefix="moetier-bench-e2e-"))
+    try:
+        async with (_process_cluster(s, data) if s.processes else _in_process_cluster(s, data)) as cluster:
+            t.start_s = time.perf_counter() - t0
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{cluster.router_port}") as channel:
+                stub = router_pb2_grpc.RouterStub(channel)
+                for i in range(2):
+                    req = generate_pb2.GenerateRequest(
+                        request_id=f"bench-e2e-{i}", prompt_ids=s.prompt,
+                        sampling=generate_pb2.SamplingParams(temperature=0.0, top_p=1.0, max_tokens=s.tokens))
+                    before = cluster.counts()
+                    first: Counts | None = None
+                    toks: list[int] = []
+                    step_ns = 0
+                    async for m in stub.Generate(req, timeout=3600):
+                        toks.extend(tok.token_id for tok in m.tokens)
+                        if first is None:
+                            first = cluster.counts()
+                        else:  # decode steps: the worker's own clock
+                            step_ns += m.timings.step_ns
+                    end = cluster.counts()
+                    await asyncio.to_thread(cluster.quiesce)
+                    assert first is not None
+                    t.requests.append(_request(s, t, toks, before, first, end, step_ns / 1e9))
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+
+
+class _InProcess:
+    """The cluster's services as objects in this process: counters read directly."""
+
+    def __init__(self, router_port: int, store: Any, worker: Any) -> None:
+        self.router_port = router_port
+        self.store, self.model = store.core, worker.core.model
+        self.model.experts = TimedExperts(self.model.experts)  # the worker's RemoteExperts, clocked as the engine's tier
+
+    def counts(self) -> Counts:
+        return counts(time.perf_counter(), store_counts(self.store), model_counts(self.model))
+
+    def quiesce(self) -> None:
+        _quiesce(self.store.tier_stats)
+
+
+@contextlib.asynccontextmanager
+async def _in_process_cluster(s: Setup, data: Path) -> AsyncIterator[_InProcess]:
     from services.dense_worker.server import create_server as create_worker
     from services.expert_store.server import create_server as create_store
     from services.router.server import create_server as create_router
 
-    t0 = time.perf_counter()
-    data = Path(tempfile.mkdtemp(prefix="moetier-bench-e2e-"))
     started: list[Any] = []
     try:
         router, rport = create_router(_cluster_settings(s, data, 0, 0), "127.0.0.1:0")
@@ -396,38 +510,162 @@ async def _cluster_trial(s: Setup, t: Trial) -> None:
                                   threads=s.threads)
         await worker.start()
         started.append(worker)
-        deadline = time.monotonic() + 30
-        while not (worker.agent and worker.agent.registered.is_set()):
-            if time.monotonic() > deadline:
-                raise InvalidArgument("the dense worker did not register with the router within 30 s")
-            await asyncio.sleep(0.01)
-        t.start_s = time.perf_counter() - t0
-        core, model = store.core, worker.core.model
-        model.experts = TimedExperts(model.experts)  # the worker's RemoteExperts, clocked as the engine's tier
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{rport}") as channel:
-            stub = router_pb2_grpc.RouterStub(channel)
-            for i in range(2):
-                req = generate_pb2.GenerateRequest(
-                    request_id=f"bench-e2e-{i}", prompt_ids=s.prompt,
-                    sampling=generate_pb2.SamplingParams(temperature=0.0, top_p=1.0, max_tokens=s.tokens))
-                before = counts(core.tier_stats(), model, core.metrics)
-                first: Counts | None = None
-                toks: list[int] = []
-                step_ns = 0
-                async for m in stub.Generate(req, timeout=3600):
-                    toks.extend(tok.token_id for tok in m.tokens)
-                    if first is None:
-                        first = counts(core.tier_stats(), model, core.metrics)
-                    else:  # decode steps: the worker's own clock
-                        step_ns += m.timings.step_ns
-                end = counts(core.tier_stats(), model, core.metrics)
-                await asyncio.to_thread(_quiesce, core.tier_stats)
-                assert first is not None
-                t.requests.append(_request(s, t, toks, before, first, end, step_ns / 1e9))
+        await _registered(worker)
+        yield _InProcess(rport, store, worker)
     finally:
         for server in reversed(started):
             await server.stop(0)
-        shutil.rmtree(data, ignore_errors=True)
+
+
+async def _registered(worker: Any) -> None:
+    deadline = time.monotonic() + 30
+    while not (worker.agent and worker.agent.registered.is_set()):
+        if time.monotonic() > deadline:
+            raise InvalidArgument("the dense worker did not register with the router within 30 s")
+        await asyncio.sleep(0.01)
+
+
+class _Processes:
+    """The cluster's services each in a process of its own: counters asked for through pipes."""
+
+    def __init__(self, router_port: int, store: _ServiceProcess, worker: _ServiceProcess) -> None:
+        self.router_port, self.store, self.worker = router_port, store, worker
+
+    def counts(self) -> Counts:
+        t = time.perf_counter()  # the moment the caller saw; the answers take a pipe round trip each
+        return counts(t, self.store.ask("counts"), self.worker.ask("counts"))
+
+    def quiesce(self) -> None:
+        self.store.ask("quiesce")
+
+
+@contextlib.asynccontextmanager
+async def _process_cluster(s: Setup, data: Path) -> AsyncIterator[_Processes]:
+    quiet = not logging.getLogger().isEnabledFor(logging.DEBUG)
+    # all three interpreters start (import) at once; each then waits for its settings
+    procs = {kind: _ServiceProcess(kind, quiet) for kind in ("router", "expert_store", "dense_worker")}
+    try:
+        rport = await asyncio.to_thread(procs["router"].start, _cluster_settings(s, data, 0, 0), None)
+        sport = await asyncio.to_thread(procs["expert_store"].start, _cluster_settings(s, data, rport, 0),
+                                        s.store_threads)
+        await asyncio.to_thread(procs["dense_worker"].start, _cluster_settings(s, data, rport, sport), s.threads)
+        yield _Processes(rport, procs["expert_store"], procs["dense_worker"])
+    finally:
+        for kind in ("dense_worker", "expert_store", "router"):
+            await asyncio.to_thread(procs[kind].stop)
+
+
+class _ServiceProcess:
+    """One cluster service in a child process (spawned, so it shares nothing with this one),
+    driven through a pipe: `start(settings, threads) -> port`, `ask("counts" | "quiesce")`,
+    `stop()`. The child's answers are ("ok", value) or ("error", message)."""
+
+    def __init__(self, kind: str, quiet: bool) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.kind = kind
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child_main, args=(kind, child, quiet), name=f"bench-e2e-{kind}",
+                                daemon=True)
+        self.proc.start()
+        child.close()
+
+    def start(self, settings: Settings, threads: int | None) -> int:
+        self.conn.send((settings, threads))
+        return int(self._reply(CHILD_START_S))
+
+    def ask(self, what: str) -> Any:
+        self.conn.send(what)
+        return self._reply(CHILD_REPLY_S)
+
+    def _reply(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.1):
+            if not self.proc.is_alive():
+                raise Unavailable(f"bench e2e: the {self.kind} process exited ({self.proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise Unavailable(f"bench e2e: the {self.kind} process did not answer within {timeout_s:.0f} s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise Unavailable(f"bench e2e: the {self.kind} process: {value}")
+        return value
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send("stop")
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+
+
+def _child_main(kind: str, conn: Connection, quiet: bool) -> None:
+    """A service process of `_process_cluster`: its server, then its counters on request until
+    told to stop (or until the parent goes away: the pipe closes)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s {kind} %(name)s: %(message)s")
+    if quiet:
+        for name in QUIET_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        settings, threads = conn.recv()
+    except EOFError:
+        return
+    try:
+        asyncio.run(_child_serve(kind, settings, threads, conn))
+    except Exception as e:  # the parent says it, naming this service
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+async def _child_serve(kind: str, settings: Settings, threads: int | None, conn: Connection) -> None:
+    from services.dense_worker.server import create_server as create_worker
+    from services.expert_store.server import create_server as create_store
+    from services.router.server import create_server as create_router
+
+    server: Any
+    if kind == "router":
+        server, port = create_router(settings, "127.0.0.1:0")
+    elif kind == "expert_store":
+        server, port = create_store(settings, "127.0.0.1:0", threads=threads)
+    else:
+        server, port = create_worker(settings, "127.0.0.1:0", register=True, threads=threads)
+    try:
+        await server.start()
+        handlers: dict[str, Callable[[], Any]] = {}
+        if kind == "expert_store":
+            core = server.core
+            handlers = {"counts": lambda: store_counts(core), "quiesce": lambda: _quiesce(core.tier_stats)}
+        elif kind == "dense_worker":
+            await _registered(server)
+            model = server.core.model
+            model.experts = TimedExperts(model.experts)
+            handlers = {"counts": lambda: model_counts(model)}
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        conn.send(("ok", port))
+        # a plain thread blocks on the pipe (the loop never does); it runs nothing on the loop
+        threading.Thread(target=_answer, args=(conn, handlers, loop, stop), daemon=True,
+                         name=f"bench-e2e-{kind}-pipe").start()
+        await stop.wait()
+    finally:
+        await server.stop(0)
+
+
+def _answer(conn: Connection, handlers: dict[str, Callable[[], Any]], loop: asyncio.AbstractEventLoop,
+            stop: asyncio.Event) -> None:
+    while True:
+        try:
+            what = conn.recv()
+        except (EOFError, OSError):
+            what = "stop"
+        if what == "stop":
+            loop.call_soon_threadsafe(stop.set)
+            return
+        fn = handlers.get(what)
+        try:
+            conn.send(("ok", fn() if fn is not None else {}))
+        except Exception as e:
+            conn.send(("error", f"{what}: {type(e).__name__}: {e}"))
 
 
 def _cluster_settings(s: Setup, data: Path, router_port: int, store_port: int) -> Settings:
@@ -470,13 +708,16 @@ def _system(trials: list[Trial]) -> dict[str, Any]:
             "prefill_missed_mb": _spread([r.prefill_missed_bytes / 1e6 for r in reqs]),
             "expert_s": _spread([p.expert_s for p in d]),
             "hint_s": _spread([p.hint_s for p in d]),
+            "read_wait_s": _spread([p.read_wait_s for p in d]),
             "rest_s": _spread([p.s_per_token - p.expert_s - p.hint_s for p in d]),
         }
         if trials[0].kind == "cluster":
             out[name]["hops"] = {
                 "worker_step_s": _spread([r.worker_step_s for r in reqs]),
                 "store_s": _spread([p.store_s for p in d]),
-                "rpc_hop_s": _spread([p.expert_s - p.store_s for p in d]),
+                "store_load_s": _spread([p.store_load_s for p in d]),
+                "call_s": _spread([p.call_s for p in d]),
+                "rpc_hop_s": _spread([p.call_s - p.store_s for p in d]),
                 "stream_hop_s": _spread([p.s_per_token - r.worker_step_s for p, r in zip(d, reqs, strict=True)]),
             }
     return out
@@ -495,6 +736,7 @@ def summarize(s: Setup, args: argparse.Namespace, rounds: list[dict[str, Any]], 
         "record_bytes": s.record_bytes, "dense_step_bytes": s.dense_step_bytes,
         "queue_depth": s.settings.storage.queue_depth, "page_cache_dropped": root,
         "threads": s.threads, "store_threads": s.store_threads,
+        "cluster_processes": s.processes,
         "fio_gbps": _spread([t.fio_gbps for t in eng + clu]),
         "memory_gbps": _spread([t.memory_gbps for t in eng + clu]),
         "engine": _system(eng), "cluster": _system(clu),
@@ -520,7 +762,9 @@ def _print(o: dict[str, Any]) -> None:
           f"policy {o['policy']}, batch 1, {o['prompt_tokens']} prompt + {o['tokens']} generated tokens per "
           f"request, {len(o['rounds'])} rounds (ABBA); page cache {'dropped' if o['page_cache_dropped'] else 'NOT dropped (not root)'} "
           "before each trial")
-    print(f"kernel threads: engine {o['threads']}, dense worker {o['threads']}, expert store {o['store_threads']}")
+    where = "a process each, as `moetier up`" if o["cluster_processes"] else "all in this process (--in-process)"
+    print(f"cluster services: {where}; kernel threads: engine {o['threads']}, dense worker {o['threads']}, "
+          f"expert store {o['store_threads']}")
     print(f"bounds measured before each trial: fio {_fmt(o['fio_gbps'])} GB/s (randread O_DIRECT, bs "
           f"{o['record_bytes']} = record, iodepth {o['queue_depth']}); memory {_fmt(o['memory_gbps'], f='.1f')} "
           f"GB/s (numpy copy); dense bytes per step {o['dense_step_bytes'] / 1e6:.0f} MB")
@@ -538,13 +782,16 @@ def _print(o: dict[str, Any]) -> None:
                   f"disk {_fmt(r['disk_bound_s'], 1e3, '.0f')} ms = {_fmt(r['missed_mb_per_token'], f='.0f')} MB "
                   f"missed (read {_fmt(r['read_mb_per_token'], f='.0f')}); memory {_fmt(r['memory_bound_s'], 1e3, '.0f')}"
                   f" ms = {_fmt(r['touched_mb_per_token'], f='.0f')} MB touched")
-            print(f"        of which: experts (moe calls) {_fmt(r['expert_s'], 1e3, '.0f')} ms, prefetch hints "
+            print(f"        of which: experts (moe calls) {_fmt(r['expert_s'], 1e3, '.0f')} ms (the tier waiting for "
+                  f"reads {_fmt(r['read_wait_s'], 1e3, '.0f')} ms), prefetch hints "
                   f"{_fmt(r['hint_s'], 1e3, '.1f')} ms, the rest (attention, gates, dense, lm_head, sampling) "
                   f"{_fmt(r['rest_s'], 1e3, '.0f')} ms")
             if "hops" in r:
                 h = r["hops"]
-                print(f"        hops: the store's own load + kernels {_fmt(h['store_s'], 1e3, '.0f')} ms of the "
-                      f"ComputeExperts wait -> RPC hop {_fmt(h['rpc_hop_s'], 1e3, '.1f')} ms; worker step "
+                print(f"        hops: the store's own load + kernels {_fmt(h['store_s'], 1e3, '.0f')} ms (load "
+                      f"{_fmt(h['store_load_s'], 1e3, '.0f')}) of the ComputeExperts round trips "
+                      f"{_fmt(h['call_s'], 1e3, '.0f')} ms (the shared experts overlap them) -> RPC hop "
+                      f"{_fmt(h['rpc_hop_s'], 1e3, '.1f')} ms; worker step "
                       f"{_fmt(h['worker_step_s'], 1e3, '.0f')} ms -> router + stream hop "
                       f"{_fmt(h['stream_hop_s'], 1e3, '.1f')} ms")
     rounds = ", ".join(f"{x:.3f}" for x in o["hop_overhead_rounds"])

@@ -5,7 +5,8 @@ Legend: T = rows, D = hidden, F = MLP width (dense F, shared-expert Fs), K = exp
     MoE(x) = experts(x; router(x)) + [sigmoid(x @ shared_gate.T)] * SwiGLU_shared(x)
 
 The routed part goes through an ExpertProvider (one call per layer per step with every row);
-the shared expert is dense and resident, computed here.
+the shared expert is dense and resident, computed here -- while the routed part is under way
+where the provider computes elsewhere (`start_moe`): the same sum, the same bits.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.model.config import ModelArgs
-from moetier.model.ops import ExpertProvider, Ops, sigmoid, silu
+from moetier.model.ops import ExpertProvider, Ops, sigmoid, silu, start_moe
 from moetier.model.router import Router
 from moetier.model.weights import vector
 from moetier.weights.quant import QTensor
@@ -49,11 +50,17 @@ class MoeBlock:
 
     def __call__(self, ops: Ops, experts: ExpertProvider, x: F32, ids: I32, weights: F32) -> F32:
         """x [T, D] (normed), routing ids/weights [T, K] -> [T, D]."""
-        y = experts.moe(self.layer, x, ids, weights)  # [T, D]
-        if self.shared is not None:
+        if self.shared is None:
+            return np.ascontiguousarray(experts.moe(self.layer, x, ids, weights), dtype=np.float32)
+        # the routed experts under way (a remote provider's round trip) while the shared one computes here
+        call = start_moe(experts, self.layer, x, ids, weights)
+        try:
             s = self.shared(ops, x)  # [T, D]
             if self.shared_gate is not None:
                 g = ops.linear(x, self.shared_gate)  # [T, 1]
                 s = s * sigmoid(g)
-            y = y + s
+        except BaseException:
+            call.abandon()
+            raise
+        y = call.result() + s  # [T, D]
         return np.ascontiguousarray(y, dtype=np.float32)

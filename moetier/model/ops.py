@@ -88,6 +88,42 @@ class ExpertProvider(Protocol):
         ...
 
 
+class MoeCall(Protocol):
+    """A `moe` under way (see `start_moe`)."""
+
+    def result(self) -> F32:
+        """Wait for the routed experts' output [T, D] (raises what `moe` would raise)."""
+        ...
+
+    def abandon(self) -> None:
+        """The caller will not ask for the result: release what the call holds."""
+        ...
+
+
+class _Done:
+    def __init__(self, y: F32) -> None:
+        self._y = y
+
+    def result(self) -> F32:
+        return self._y
+
+    def abandon(self) -> None:
+        pass
+
+
+def start_moe(experts: ExpertProvider, layer: int, x: F32, ids: npt.NDArray[np.int32], weights: F32) -> MoeCall:
+    """Start `experts.moe(layer, x, ids, weights)` and return it under way, so the caller can
+    compute what does not depend on it (the shared expert) meanwhile. A provider that computes
+    elsewhere (the expert store over gRPC) has `moe_start(layer, x, ids, weights) -> MoeCall`;
+    for any other the call runs here and now. Either way the result is the same array: only
+    when it is computed changes, never what."""
+    begin = getattr(experts, "moe_start", None)
+    if begin is not None:
+        call: MoeCall = begin(layer, x, ids, weights)
+        return call
+    return _Done(experts.moe(layer, x, ids, weights))
+
+
 def combine_slots(ys: F32, weights: F32) -> F32:
     """out[t] = sum_k weights[t, k] * ys[t, k], the sum elementwise in k order (0..K-1).
     ys [T, K, D], weights [T, K] -> [T, D]. The second half of every `Ops.moe`: one code path
