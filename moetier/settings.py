@@ -295,3 +295,16 @@ def merge_flags(**flags: Any) -> dict[str, Any]:
             node = node.setdefault(p, {})
         node[parts[-1]] = value
     return _deep_merge({}, out)
+
+
+def address_from_bind(settings: Settings, section: Literal["dense_worker", "expert_store"],
+                      bind: str | None) -> Settings:
+    """`settings` with the section's `address` (how others reach the service) set to where it
+    listens, `bind` (loopback for a wildcard host), when a bind was given on the command line
+    and nobody set the address."""
+    ep = getattr(settings, section)
+    if not bind or "address" in ep.model_fields_set:
+        return settings
+    host, _, port = bind.rpartition(":")
+    host = "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
+    return settings.model_copy(update={section: ep.model_copy(update={"address": f"{host}:{port}"})})

@@ -61,27 +61,36 @@ class Up:
                    if s.name == name and labels.items() <= s.labels.items())
 
 
-def settings_for(model: Path, tmp: Path, router_port: int = 0, store_port: int = 0) -> Settings:
+INFERENCE = {"max_batch_size": 4, "max_waiting": 8, "prefill_chunk": 32, "expert_timeout_s": 5.0}
+
+
+def settings_for(model: Path, tmp: Path, router_port: int = 0, store_port: int = 0, *,
+                 expert_cache: str = "100%", inference: dict[str, Any] = INFERENCE) -> Settings:
     return load_settings(overrides={
-        "model": {"path": str(model), "expert_cache": "100%"},
+        "model": {"path": str(model), "expert_cache": expert_cache},
         "cache": {"policy": "lru"},
         "data_dir": str(tmp / "data"),
         "router": {"bind": "127.0.0.1:0", "address": f"127.0.0.1:{router_port}", "metrics_port": 0, "id": "router"},
         "expert_store": {"bind": "127.0.0.1:0", "address": f"127.0.0.1:{store_port}", "metrics_port": 0,
                          "id": "store-0"},
         "dense_worker": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0, "id": "worker-0"},
-        "inference": {"max_batch_size": 4, "max_waiting": 8, "prefill_chunk": 32, "expert_timeout_s": 5.0},
+        "inference": inference,
         "heartbeat_interval_s": 0.1,
     }, environ={})
 
 
 @asynccontextmanager
-async def up(model: Path, tmp: Path) -> AsyncIterator[Up]:
-    router, rport = create_router(settings_for(model, tmp), "127.0.0.1:0")
+async def up(model: Path, tmp: Path, *, expert_cache: str = "100%",
+             inference: dict[str, Any] = INFERENCE) -> AsyncIterator[Up]:
+    """Router, expert store, dense worker and gateway in this process (settings: `settings_for`)."""
+    def settings_at(router_port: int = 0, store_port: int = 0) -> Settings:
+        return settings_for(model, tmp, router_port, store_port, expert_cache=expert_cache, inference=inference)
+
+    router, rport = create_router(settings_at(), "127.0.0.1:0")
     await router.start()
-    store, sport = create_store(settings_for(model, tmp, rport), "127.0.0.1:0", threads=1)
+    store, sport = create_store(settings_at(rport), "127.0.0.1:0", threads=1)
     await store.start()
-    settings = settings_for(model, tmp, rport, sport)
+    settings = settings_at(rport, sport)
     worker, _ = create_worker(settings, "127.0.0.1:0", register=True)
     await worker.start()
     served = ServedModel.from_dir(model, MODEL)

@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import socket
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import grpc
-import httpx
 import numpy as np
 import pytest
-import uvicorn
 from helpers_store import records
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from test_cluster_e2e import up
 from test_expert_store import REC, batch, expected, running, store_settings
 
 from moetier.errors import ResourceExhausted
@@ -31,15 +26,10 @@ from moetier.model.ops import ReferenceOps
 from moetier.model.sampling import SamplingParams
 from moetier.rpc.errors import status_code
 from moetier.rpc.tensors import from_pb
-from moetier.settings import load_settings
 from moetier.store.provider import TieredExperts
 from moetier.store.tier import ExpertTier, TierConfig
 from moetier.weights.container import Container
-from services.dense_worker.server import create_server as create_worker
 from services.expert_store.core import StoreCore
-from services.expert_store.server import create_server as create_store
-from services.gateway.app import create_app
-from services.router.server import create_server as create_router
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -178,48 +168,13 @@ def test_one_expert_over_the_budget_is_resource_exhausted(model: Path, tmp_path:
 
 
 # ---- the cluster ------------------------------------------------------------------------------
-@asynccontextmanager
-async def cluster(model: Path, tmp: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
-    """Router, expert store (the default 25% budget: 4 of the 16 experts), dense worker, gateway."""
-    def settings(router_port: int = 0, store_port: int = 0) -> Any:
-        return load_settings(overrides={
-            "model": {"path": str(model)}, "cache": {"policy": "lru"}, "data_dir": str(tmp / "data"),
-            "router": {"bind": "127.0.0.1:0", "address": f"127.0.0.1:{router_port}", "metrics_port": 0},
-            "expert_store": {"bind": "127.0.0.1:0", "address": f"127.0.0.1:{store_port}", "metrics_port": 0},
-            "dense_worker": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0},
-            "inference": {"expert_timeout_s": 5.0}, "heartbeat_interval_s": 0.1}, environ={})
-
-    router, rport = create_router(settings(), "127.0.0.1:0")
-    await router.start()
-    store, sport = create_store(settings(rport), "127.0.0.1:0", threads=1)
-    await store.start()
-    worker, _ = create_worker(settings(rport, sport), "127.0.0.1:0", register=True)
-    await worker.start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    gateway = uvicorn.Server(uvicorn.Config(create_app(settings(rport, sport)), log_level="warning", lifespan="on"))
-    serving = asyncio.get_running_loop().create_task(gateway.serve(sockets=[sock]))
-    try:
-        deadline = time.monotonic() + 5
-        while not (worker.agent and worker.agent.registered.is_set() and gateway.started):
-            assert time.monotonic() < deadline and not serving.done(), "the cluster did not come up"
-            await asyncio.sleep(0.02)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=30) as client:
-            yield client, store
-    finally:
-        gateway.should_exit = True
-        await serving
-        sock.close()
-        await worker.stop(0)
-        await store.stop(0)
-        await router.stop(0)
-
-
 async def test_cluster_at_the_default_budget_answers_a_long_prompt_as_the_engine(model: Path, tmp_path: Path) -> None:
     from moetier.engine import Engine
 
     prompt = np.random.default_rng(8).integers(7, 512, 64).tolist()
-    async with cluster(model, tmp_path) as (client, store):
+    # the default 25% budget: 4 of the 16 experts
+    async with up(model, tmp_path, expert_cache="25%", inference={"expert_timeout_s": 5.0}) as cluster:
+        client, store = cluster.client, cluster.store
         assert store.core.tier.budget == 4 * REC  # 25% of 16 records: a layer's union of 8 does not fit
         name = (await client.get("/v1/models")).json()["data"][0]["id"]
         r = await client.post("/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 12,

@@ -68,7 +68,7 @@ import numpy as np
 
 from moetier.bench import models
 from moetier.bench.compute import copy_gbps
-from moetier.bench.io import _drop_page_cache, _fio_pass
+from moetier.bench.io import _drop_page_cache, _fio_pass, find_fio
 from moetier.errors import InvalidArgument, Unavailable
 from moetier.kernels.fast import default_threads
 from moetier.model.ops import start_moe
@@ -310,10 +310,8 @@ class Setup:
 
 
 def run(args: argparse.Namespace) -> int:
-    fio = shutil.which("fio")
+    fio = find_fio("e2e", "the disk bound is measured with it")
     if fio is None:
-        print("moetier bench e2e: fio is not installed; the disk bound is measured with it.\n"
-              "  Debian/Ubuntu: sudo apt-get install -y fio    Fedora: sudo dnf install fio", file=sys.stderr)
         return 2
     if args.tokens < 2 or args.prompt_tokens < 1 or args.rounds < 1 or args.fio_records < 1:
         raise InvalidArgument("--tokens must be >= 2; --prompt-tokens, --rounds and --fio-records >= 1")

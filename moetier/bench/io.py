@@ -67,11 +67,18 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def find_fio(bench: str, why: str) -> str | None:
+    """fio's path; where it is missing, says so on stderr (naming `bench` and `why` it needs fio)."""
     fio = shutil.which("fio")
     if fio is None:
-        print("moetier bench io: fio is not installed; it is the peer this benchmark measures against.\n"
+        print(f"moetier bench {bench}: fio is not installed; {why}.\n"
               "  Debian/Ubuntu: sudo apt-get install -y fio    Fedora: sudo dnf install fio", file=sys.stderr)
+    return fio
+
+
+def run(args: argparse.Namespace) -> int:
+    fio = find_fio("io", "it is the peer this benchmark measures against")
+    if fio is None:
         return 2
     if args.depth < 1 or args.records < 1 or args.rounds < 1:
         raise InvalidArgument("--depth, --records and --rounds must be >= 1")

@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from moetier.settings import Settings, load_settings, merge_flags
+from moetier.settings import Settings, address_from_bind, load_settings, merge_flags
 
 
 def build_settings(args: argparse.Namespace) -> Settings:
@@ -18,12 +18,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
     settings = load_settings(args.config, merge_flags(
         model__path=args.model, expert_store__address=args.store, router__address=args.router,
         dense_worker__bind=args.bind, dense_worker__metrics_port=args.metrics_port, dense_worker__id=args.id))
-    ep = settings.dense_worker
-    if args.bind and "address" not in ep.model_fields_set:
-        # Nobody said how others reach this worker: where it listens (loopback for a wildcard bind).
-        host, _, port = args.bind.rpartition(":")
-        host = "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
-        settings = settings.model_copy(update={"dense_worker": ep.model_copy(update={"address": f"{host}:{port}"})})
+    settings = address_from_bind(settings, "dense_worker", args.bind)
     if settings.model.path is None:
         settings = settings.model_copy(update={"model": settings.model.model_copy(
             update={"path": model_dir(settings, None)})})

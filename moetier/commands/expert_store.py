@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from moetier.settings import Settings, load_settings, merge_flags
+from moetier.settings import Settings, address_from_bind, load_settings, merge_flags
 
 
 def build_settings(args: argparse.Namespace) -> Settings:
@@ -17,12 +17,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
         storage__mirrors=args.mirror, storage__direct_io=False if args.buffered else None,
         storage__queue_depth=args.queue_depth, router__address=args.router,
         expert_store__bind=args.bind, expert_store__metrics_port=args.metrics_port, expert_store__id=args.id))
-    ep = settings.expert_store
-    if args.bind and "address" not in ep.model_fields_set:
-        # Nobody said how others reach this store: where it listens (loopback for a wildcard bind).
-        host, _, port = args.bind.rpartition(":")
-        host = "127.0.0.1" if host in ("", "0.0.0.0", "[::]") else host
-        settings = settings.model_copy(update={"expert_store": ep.model_copy(update={"address": f"{host}:{port}"})})
+    settings = address_from_bind(settings, "expert_store", args.bind)
     return settings
 
 
