@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19moetier/v1/generate.proto\x12\nmoetier.v1\"\xe8\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\rB\x07\n\x05_seed\"\x8f\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.moetier.v1.SamplingParams\x12\x17\n\nsession_id\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_session_id\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"r\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.moetier.v1.TopLogprobB\n\n\x08_logprob\"\x81\x01\n\x0bStepTimings\x12\x0f\n\x07step_ns\x18\x01 \x01(\x04\x12\x14\n\x0c\x61ttention_ns\x18\x02 \x01(\x04\x12\x0f\n\x07gate_ns\x18\x03 \x01(\x04\x12\x11\n\texpert_ns\x18\x04 \x01(\x04\x12\x13\n\x0bsampling_ns\x18\x05 \x01(\x04\x12\x12\n\nbatch_rows\x18\x06 \x01(\r\"\xf0\x01\n\x10GenerateResponse\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.moetier.v1.GeneratedToken\x12\x1a\n\rfinish_reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12(\n\x07timings\x18\x05 \x01(\x0b\x32\x17.moetier.v1.StepTimings\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x10\n\x08queue_ns\x18\x07 \x01(\x04\x42\x10\n\x0e_finish_reasonb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19moetier/v1/generate.proto\x12\nmoetier.v1\"\x8a\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x14\n\x07grammar\x18\x0b \x01(\tH\x01\x88\x01\x01\x42\x07\n\x05_seedB\n\n\x08_grammar\"\x8f\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.moetier.v1.SamplingParams\x12\x17\n\nsession_id\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_session_id\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"r\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.moetier.v1.TopLogprobB\n\n\x08_logprob\"\x92\x01\n\x0bStepTimings\x12\x0f\n\x07step_ns\x18\x01 \x01(\x04\x12\x14\n\x0c\x61ttention_ns\x18\x02 \x01(\x04\x12\x0f\n\x07gate_ns\x18\x03 \x01(\x04\x12\x11\n\texpert_ns\x18\x04 \x01(\x04\x12\x13\n\x0bsampling_ns\x18\x05 \x01(\x04\x12\x12\n\nbatch_rows\x18\x06 \x01(\r\x12\x0f\n\x07mask_ns\x18\x07 \x01(\x04\"\xf0\x01\n\x10GenerateResponse\x12*\n\x06tokens\x18\x01 \x03(\x0b\x32\x1a.moetier.v1.GeneratedToken\x12\x1a\n\rfinish_reason\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\r\x12(\n\x07timings\x18\x05 \x01(\x0b\x32\x17.moetier.v1.StepTimings\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x10\n\x08queue_ns\x18\x07 \x01(\x04\x42\x10\n\x0e_finish_reasonb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moetier.v1.generate_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=274
-  _globals['_GENERATEREQUEST']._serialized_start=277
-  _globals['_GENERATEREQUEST']._serialized_end=420
-  _globals['_TOPLOGPROB']._serialized_start=422
-  _globals['_TOPLOGPROB']._serialized_end=469
-  _globals['_GENERATEDTOKEN']._serialized_start=471
-  _globals['_GENERATEDTOKEN']._serialized_end=585
-  _globals['_STEPTIMINGS']._serialized_start=588
-  _globals['_STEPTIMINGS']._serialized_end=717
-  _globals['_GENERATERESPONSE']._serialized_start=720
-  _globals['_GENERATERESPONSE']._serialized_end=960
+  _globals['_SAMPLINGPARAMS']._serialized_end=308
+  _globals['_GENERATEREQUEST']._serialized_start=311
+  _globals['_GENERATEREQUEST']._serialized_end=454
+  _globals['_TOPLOGPROB']._serialized_start=456
+  _globals['_TOPLOGPROB']._serialized_end=503
+  _globals['_GENERATEDTOKEN']._serialized_start=505
+  _globals['_GENERATEDTOKEN']._serialized_end=619
+  _globals['_STEPTIMINGS']._serialized_start=622
+  _globals['_STEPTIMINGS']._serialized_end=768
+  _globals['_GENERATERESPONSE']._serialized_start=771
+  _globals['_GENERATERESPONSE']._serialized_end=1011
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "max_tokens", "stop_token_ids", "logprobs", "top_logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty", "max_tokens", "stop_token_ids", "logprobs", "top_logprobs", "grammar")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -28,7 +29,8 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: bool
     top_logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    grammar: str
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "sampling", "session_id")
@@ -61,20 +63,22 @@ class GeneratedToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("step_ns", "attention_ns", "gate_ns", "expert_ns", "sampling_ns", "batch_rows")
+    __slots__ = ("step_ns", "attention_ns", "gate_ns", "expert_ns", "sampling_ns", "batch_rows", "mask_ns")
     STEP_NS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
     GATE_NS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_NS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_NS_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MASK_NS_FIELD_NUMBER: _ClassVar[int]
     step_ns: int
     attention_ns: int
     gate_ns: int
     expert_ns: int
     sampling_ns: int
     batch_rows: int
-    def __init__(self, step_ns: _Optional[int] = ..., attention_ns: _Optional[int] = ..., gate_ns: _Optional[int] = ..., expert_ns: _Optional[int] = ..., sampling_ns: _Optional[int] = ..., batch_rows: _Optional[int] = ...) -> None: ...
+    mask_ns: int
+    def __init__(self, step_ns: _Optional[int] = ..., attention_ns: _Optional[int] = ..., gate_ns: _Optional[int] = ..., expert_ns: _Optional[int] = ..., sampling_ns: _Optional[int] = ..., batch_rows: _Optional[int] = ..., mask_ns: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("tokens", "finish_reason", "prompt_tokens", "cached_prompt_tokens", "timings", "worker_id", "queue_ns")
