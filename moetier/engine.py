@@ -1,17 +1,24 @@
 """The in-process engine: one container served inside this process.
 
-    engine = Engine.open("models/demo", budget="25%")
-    for tok in engine.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32)):
+    engine = Engine.open("models/demo", budget="25%", prefix_cache="1GiB")
+    gen = engine.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=32))
+    for tok in gen:                      # gen.cached_tokens: prompt tokens taken from the prefix cache
         ...
     logits = engine.logits(ids)          # [T, V] teacher-forced
     engine.close()
 
-The dense tensors are copied out of the container into RAM (resident: a decode step never
-waits on a page fault), the routed experts go through the RAM tier (`TieredExperts`) with a
-byte budget, and the forward pass runs on `FastOps` (or `ReferenceOps`, the oracle). This is
-what `moetier generate` and `moetier logits` run, and the reference the cluster is tested
-against: the dense worker runs the same Model on the same kernels with the experts computed
-by the expert store, so at temperature 0 both produce the same tokens.
+The dense tensors are read into anonymous memory once, with no second copy left in the page
+cache (`load_dense`; resident: a decode step never waits on a page fault), the routed experts
+go through the RAM tier (`TieredExperts`) with a byte budget, and the forward pass runs on
+`FastOps` (or `ReferenceOps`, the oracle). This is what `moetier generate` and `moetier
+logits` run, and the reference the cluster is tested against: the dense worker runs the same
+Model on the same kernels with the experts computed by the expert store, so at temperature 0
+both produce the same tokens.
+
+Prefix cache: off by default. With `prefix_cache` (a byte budget; `prefix_dir` persists it
+across processes) `generate` reuses the KV of earlier sequences to the token, as the dense
+worker does (moetier/prefix_cache.py), and remembers each sequence it ends; reuse changes no
+bit of the output.
 
 Kernel threads: by default every CPU this process may use (FastOps' own default). The
 kernels claim work in chunks from a shared pool, so a helper thread that is not scheduled
@@ -37,9 +44,11 @@ from moetier.errors import InvalidArgument
 from moetier.kernels.fast import FastOps
 from moetier.model.forward import Model
 from moetier.model.generate import GeneratedToken, generate, teacher_forced_logits
+from moetier.model.kv_cache import KVCache
 from moetier.model.ops import Ops, ReferenceOps
 from moetier.model.sampling import SamplingParams
-from moetier.settings import Settings, resolve_budget
+from moetier.prefix_cache import PrefixCache, kv_identity
+from moetier.settings import Settings, parse_bytes, resolve_budget
 from moetier.store.provider import TieredExperts
 from moetier.store.tier import TierConfig
 from moetier.text.tokenizer import TextTokenizer
@@ -56,13 +65,11 @@ DEMO_SEED = 0
 
 
 def load_dense(container: Container) -> dict[str, QTensor]:
-    """Every dense tensor of the container, copied from its memmap into process memory."""
-    out: dict[str, QTensor] = {}
-    for name in container.dense_names():
-        t = container.dense(name)
-        scales = None if t.scales is None else np.array(t.scales, order="C")
-        out[name] = QTensor(t.dtype, t.shape, np.array(t.data, order="C"), scales, t.group_size)
-    return out
+    """Every dense tensor of the container, held once in process memory: each dense file read
+    into anonymous memory (page-aligned, so every tensor keeps the file's natural alignment;
+    C-contiguous, as the kernels need), its page cache dropped as it is read, the memmap never
+    touched. (Copying from the memmap left a second copy of every byte in the page cache.)"""
+    return container.resident_dense()
 
 
 def make_ops(reference: bool = False, threads: int | None = None) -> Ops:
@@ -72,22 +79,52 @@ def make_ops(reference: bool = False, threads: int | None = None) -> Ops:
     return FastOps(threads=threads if threads is not None else DEFAULT_THREADS)
 
 
+class Generation(Iterator[GeneratedToken]):
+    """The tokens of one `Engine.generate` call; `cached_tokens` of its prompt came from the
+    prefix cache (the rest were prefilled). When it ends (or is closed), its sequence's KV goes
+    to the prefix cache."""
+
+    def __init__(self, tokens: Iterator[GeneratedToken], prompt_tokens: int, cached_tokens: int) -> None:
+        self._tokens = tokens
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+
+    def __next__(self) -> GeneratedToken:
+        return next(self._tokens)
+
+    def close(self) -> None:
+        close = getattr(self._tokens, "close", None)
+        if close is not None:
+            close()
+
+
 class Engine:
     """A container's model in this process: resident dense part, tiered experts, one Model."""
 
-    def __init__(self, container: Container, model: Model, experts: TieredExperts) -> None:
+    def __init__(self, container: Container, model: Model, experts: TieredExperts,
+                 prefix: PrefixCache | None = None) -> None:
         self.container = container
         self.model = model
         self.experts = experts
+        self.prefix = prefix
         self._tokenizer: TextTokenizer | None = None
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, budget: str | int = "25%", reference: bool = False,
-             threads: int | None = None, policy: str = "lru", direct: bool = True) -> Engine:
+             threads: int | None = None, policy: str = "lru", direct: bool = True, prefix_cache: str | int = 0,
+             prefix_dir: Path | None = None) -> Engine:
         """Open a container. `budget`: the expert RAM tier, bytes or a share of the expert bytes
-        ("25%", "2GiB", or an int)."""
+        ("25%", "2GiB", or an int). `prefix_cache`: the prefix cache's byte budget (0: none),
+        persisted in `prefix_dir` when given."""
         container = Container.open(path)
+        prefix: PrefixCache | None = None
         try:
+            prefix_bytes = parse_bytes(prefix_cache)
+            if prefix_bytes > 0:
+                args = container.args
+                prefix = PrefixCache(args, container.index.identity,
+                                     kv_identity(container.files, container.index.identity, args), prefix_dir,
+                                     prefix_bytes)
             ops = make_ops(reference, threads)
             budget_bytes = resolve_budget(str(budget), container.expert_bytes)
             layer_bytes = container.args.n_routed_experts * container.layout.record_bytes
@@ -98,9 +135,11 @@ class Engine:
                                          direct=direct)
             model = Model(container.args, load_dense(container), ops, experts)
         except BaseException:
+            if prefix is not None:
+                prefix.close()
             container.close()
             raise
-        return cls(container, model, experts)
+        return cls(container, model, experts, prefix)
 
     # ---- identity and text -----------------------------------------------------------
     @property
@@ -134,7 +173,7 @@ class Engine:
         return a
 
     def generate(self, prompt: Sequence[int] | npt.NDArray[np.integer], params: SamplingParams,
-                 chunk_size: int | None = None) -> Iterator[GeneratedToken]:
+                 chunk_size: int | None = None) -> Generation:
         """Generated tokens; the last carries its finish_reason. Stops at params.stop_token_ids
         and, unless params.ignore_eos, at the model's eos ids."""
         ids = self.check_ids(prompt)
@@ -142,7 +181,21 @@ class Engine:
         if len(ids) + params.max_tokens > limit:
             raise InvalidArgument(f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
                                   f"model's {limit} positions")
-        return generate(self.model, ids, params, chunk_size=chunk_size)
+        if self.prefix is None:
+            return Generation(generate(self.model, ids, params, chunk_size=chunk_size), len(ids), 0)
+        cache, n = self.prefix.lookup(ids)
+        cache = cache if cache is not None else self.model.new_cache()
+        return Generation(self._remembered(cache, generate(self.model, ids[n:], params, cache, chunk_size)),
+                          len(ids), n)
+
+    def _remembered(self, cache: KVCache, tokens: Iterator[GeneratedToken]) -> Iterator[GeneratedToken]:
+        """`tokens`, then the sequence's KV into the prefix cache (also when the caller stops early:
+        every committed position is valid KV of its tokens)."""
+        assert self.prefix is not None
+        try:
+            yield from tokens
+        finally:
+            self.prefix.insert(cache)
 
     def logits(self, ids: Sequence[int] | npt.NDArray[np.integer]) -> F32:
         """Teacher-forced logits [T, V] float32 over `ids`."""
@@ -153,6 +206,8 @@ class Engine:
         return self.experts.tier.stats().hit_rate
 
     def close(self) -> None:
+        if self.prefix is not None:
+            self.prefix.close()
         self.experts.close()
         self.container.close()
 

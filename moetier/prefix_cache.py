@@ -2,15 +2,21 @@
 prompts that extend them (multi-turn conversations, shared system prompts).
 
     cache = PrefixCache(args, model_id, kv_identity, directory, budget_bytes)
-    kv, n = cache.lookup(prompt_ids)   # KVCache holding the first n prompt tokens (n % block == 0), or (None, 0)
-    cache.insert(kv)                   # remember a sequence's KV (its complete blocks)
+    kv, n = cache.lookup(prompt_ids)   # KVCache holding the first n prompt tokens, or (None, 0)
+    cache.insert(kv)                   # remember a sequence's KV (every committed position)
     cache.hashes()                     # block hashes of every cached prefix (router affinity)
     cache.close()                      # waits for pending disk writes
 
-Granularity: blocks of `block` tokens (moetier.prefix.BLOCK). An entry holds the KV of a
-whole number of blocks and answers for every block prefix of itself: its chained block
-hashes all point at it. A lookup never returns the whole prompt: at least the last prompt
-token is left to prefill, because its logits choose the first generated token.
+Granularity: token. An entry holds the KV of a whole sequence (any number of tokens) and
+answers for every prefix of itself, so a conversation's next turn reuses everything the
+last one computed, up to the first token where the two differ. The index is block-based
+(blocks of moetier.prefix.BLOCK tokens, the router's affinity unit): each of an entry's
+chained block hashes points at it, the longest block match narrows the candidates, and the
+candidates' token ids (always held in memory, 4 bytes a token) settle the match to the
+token, a partial last block included. A lookup never returns the whole prompt: at least
+the last prompt token is left to prefill, because its logits choose the first generated
+token. An entry whose tokens are a prefix of a newer one is dropped: the newer answers
+for it.
 
 Identity: block hashes are `moetier.prefix.block_hashes(ids, block, model_id)` with the
 model id the worker registers (the router hashes prompts the same way). A file also
@@ -22,7 +28,9 @@ memory, and as many in files; the least recently used go first. A new entry is w
 to disk by a background thread (never on the step's critical path); a file that is torn,
 truncated or fails its checksum is logged, removed and never used.
 
-File format (one file per entry, `<last block hash, 16 hex digits>.kv`), little endian:
+File format (one file per entry, `<entry key, 16 hex digits>.kv`; the key is the entry's
+last block hash when it holds whole blocks, else that hash chained with the remaining
+tokens, see `entry_key`), little endian:
 
     0   8 bytes   magic b"MTPFXKV1"
     8   u64       H: header length
@@ -31,6 +39,9 @@ File format (one file per entry, `<last block hash, 16 hex digits>.kv`), little 
     32  H bytes   header: canonical JSON (see `_header`), zero-padded to a multiple of 64
     ..  P bytes   payload: the arrays named in the header, each at its offset (64-aligned),
                   "tokens" int32 [n] then "layers.{i}.{name}" float32 [n, ...] per layer
+
+Version 2 entries hold any number of tokens ("hashes" lists the complete blocks); version 1
+files (whole blocks only, the same layout) are read as they are.
 
 Written to a temporary file in the same directory, fsynced, renamed into place, then the
 directory is fsynced: a reader sees a whole file or none. No pickle anywhere.
@@ -46,7 +57,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import count
@@ -66,7 +77,8 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"MTPFXKV1"
 FORMAT = "moetier-prefix-kv"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)  # version 1: the same layout, whole blocks only
 SUFFIX = ".kv"
 _PRE = struct.Struct("<8sQQQ")  # magic, header length, payload length, checksum
 ALIGN = 64
@@ -90,10 +102,32 @@ def _pad(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def entry_key(ids: npt.NDArray[np.integer], hashes: Sequence[int], model_id: str) -> int:
+    """An entry's name: its last block hash when it holds whole blocks; otherwise that hash
+    (the model id's seed when it has no complete block) chained with the remaining tokens."""
+    tail = np.asarray(ids[len(hashes) * BLOCK :], dtype=np.uint32)
+    if len(tail) == 0:
+        return hashes[-1]
+    prev = hashes[-1] if hashes else xxhash.xxh3_64_intdigest(model_id.encode())
+    h = xxhash.xxh3_64()
+    h.update(prev.to_bytes(8, "little"))
+    h.update(b"tail")  # never the input of a block hash: those are 8 + 64 bytes
+    h.update(tail.tobytes())
+    return h.intdigest()
+
+
+def _common(a: npt.NDArray[np.integer], b: npt.NDArray[np.integer]) -> int:
+    """Length of the longest common prefix of two id arrays."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
 @dataclass(eq=False)
 class _Entry:
-    key: int  # hash of its last block
-    hashes: list[int]  # chained block hashes of its tokens
+    key: int  # entry_key of its tokens
+    hashes: list[int]  # chained hashes of its complete blocks
+    ids: npt.NDArray[np.int32]  # its tokens [n]
     nbytes: int  # payload bytes (tokens + KV)
     arrays: Arrays | None = None  # in memory (None: on disk only)
     on_disk: bool = False
@@ -101,7 +135,7 @@ class _Entry:
 
     @property
     def tokens(self) -> int:
-        return len(self.hashes) * BLOCK
+        return len(self.ids)
 
 
 @dataclass
@@ -133,7 +167,8 @@ class PrefixCache:
         self.layout = {k: list(v) for k, v in cache_layout(args).items()}
         self._lock = threading.RLock()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
-        self._index: dict[int, dict[int, int]] = {}  # block hash -> {entry key: blocks}
+        self._index: dict[int, set[int]] = {}  # block hash -> keys of the entries holding that block prefix
+        self._first: dict[int, set[int]] = {}  # first token id -> keys of the entries starting with it
         self._stats = PrefixStats()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-cache-writer")
         self._tmp = count()
@@ -143,72 +178,89 @@ class PrefixCache:
 
     # ---- lookup ----------------------------------------------------------------------
     def lookup(self, ids: Sequence[int] | npt.NDArray[np.integer]) -> tuple[KVCache | None, int]:
-        """The longest cached block prefix of ids[:-1]: (a fresh KVCache of it, its tokens)."""
+        """The longest cached prefix of ids[:-1]: (a fresh KVCache of it, its tokens)."""
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-        usable = (len(arr) - 1) // BLOCK
-        hashes = block_hashes(arr[: usable * BLOCK], BLOCK, self.model_id) if usable > 0 else []
+        query = arr[: max(len(arr) - 1, 0)]
+        hashes = block_hashes(query, BLOCK, self.model_id)
         with self._lock:
             self._stats.lookups += 1
             self._stats.query_tokens += len(arr)
-        for k in range(len(hashes), 0, -1):
-            found = self._load(hashes[k - 1], k, arr)
-            if found is not None:
-                kv, source = found
-                with self._lock:
-                    self._stats.hit_tokens += k * BLOCK
-                    self._stats.by_source[source] += k * BLOCK
-                return kv, k * BLOCK
+        while len(query):
+            with self._lock:
+                best = self._best(query, hashes)
+            if best is None:
+                break
+            entry, n = best
+            found = self._load(entry, n)
+            if found is None:
+                continue  # its file was rejected and the entry dropped: look again
+            kv, source = found
+            with self._lock:
+                self._stats.hit_tokens += n
+                self._stats.by_source[source] += n
+            return kv, n
         return None, 0
 
-    def _load(self, h: int, blocks: int, ids: npt.NDArray[np.int64]) -> tuple[KVCache, str] | None:
-        n = blocks * BLOCK
-        while True:
-            with self._lock:
-                holders = self._index.get(h)
-                if not holders:
-                    return None
-                # prefer an entry held in memory
-                key = max(holders, key=lambda k: self._entries[k].arrays is not None)
-                entry = self._entries[key]
-                self._entries.move_to_end(key)
-                arrays = entry.arrays
-            source = "memory"
+    def _best(self, query: npt.NDArray[np.int64], hashes: list[int]) -> tuple[_Entry, int] | None:
+        """The entry sharing the longest prefix with `query` and that length (under the lock).
+        The candidates are the holders of the longest matching block prefix: no other entry can
+        share more, since sharing one more block would put it among the holders of that block."""
+        candidates: Iterable[int] = ()
+        for k in range(len(hashes), 0, -1):
+            if hashes[k - 1] in self._index:
+                candidates = self._index[hashes[k - 1]]
+                break
+        else:  # no block in common: an entry starting with the same token may share part of the first
+            candidates = self._first.get(int(query[0]), ())
+        best: tuple[_Entry, int] | None = None
+        for key in candidates:
+            e = self._entries[key]
+            n = _common(e.ids, query)
+            # longest match first, then one held in memory (no file to read)
+            if n and (best is None or (n, e.arrays is not None) > (best[1], best[0].arrays is not None)):
+                best = (e, n)
+        return best
+
+    def _load(self, entry: _Entry, n: int) -> tuple[KVCache, str] | None:
+        """The first n positions of the entry as a fresh KVCache, and where they came from."""
+        with self._lock:
+            if entry.key in self._entries:
+                self._entries.move_to_end(entry.key)
+            arrays = entry.arrays
+        source = "memory"
+        if arrays is None:
+            source = "disk"
+            arrays = self._read(entry)
             if arrays is None:
-                source = "disk"
-                arrays = self._read(entry)
-                if arrays is None:
-                    continue  # rejected and dropped: try another holder of this hash
-                with self._lock:
-                    if key in self._entries:
-                        entry.arrays = arrays
-                        self._trim_memory()
-            if not np.array_equal(arrays["tokens"][:n], ids[:n]):
-                log.warning("prefix cache: hash collision on block hash %016x; not used", h)
                 return None
-            part = {name: a[:n] for name, a in arrays.items()}
-            return KVCache.from_arrays(self.args, part), source
+            with self._lock:
+                if self._entries.get(entry.key) is entry:
+                    entry.arrays = arrays
+                    self._trim_memory()
+        part = {name: a[:n] for name, a in arrays.items()}
+        return KVCache.from_arrays(self.args, part), source
 
     # ---- insert ----------------------------------------------------------------------
     def insert(self, kv: KVCache) -> int:
-        """Remember the complete blocks of a sequence's KV; returns the tokens kept (0: none)."""
-        n = (kv.length // BLOCK) * BLOCK
+        """Remember every committed position of a sequence's KV; returns the tokens kept (0: none)."""
+        n = kv.length
         if n == 0:
             return 0
-        arrays = {name: a[:n] for name, a in kv.to_arrays().items()}
-        hashes = block_hashes(arrays["tokens"], BLOCK, self.model_id)
-        nbytes = sum(a.nbytes for a in arrays.values())
+        nbytes = kv.nbytes + 4 * n  # KV and token ids, as persisted
         if nbytes > self.budget:
             return 0
-        key = hashes[-1]
+        ids = np.array(kv.tokens, dtype=np.int32)
+        hashes = block_hashes(ids, BLOCK, self.model_id)
+        key = entry_key(ids, hashes, self.model_id)
         with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
+            holder = self._holder(ids, hashes)
+            if holder is not None:  # the same tokens, or a sequence extending them
+                self._entries.move_to_end(holder.key)
                 return n
             # entries that are prefixes of this one are answered by it from now on
-            for h in hashes[:-1]:
-                if h in self._entries:
-                    self._drop(self._entries[h], "superseded")
-            entry = _Entry(key, hashes, nbytes, arrays=arrays)
+            for e in self._prefixes_of(ids, hashes):
+                self._drop(e, "superseded")
+            entry = _Entry(key, hashes, ids, nbytes, arrays=kv.to_arrays())
             self._add(entry)
             self._stats.inserts += 1
             if self.directory is not None:
@@ -216,6 +268,27 @@ class PrefixCache:
             self._trim_memory()
             self._trim_disk()
         return n
+
+    def _holder(self, ids: npt.NDArray[np.int32], hashes: list[int]) -> _Entry | None:
+        """An entry holding all of `ids` (under the lock)."""
+        keys = self._index.get(hashes[-1], ()) if hashes else self._first.get(int(ids[0]), ())
+        for key in keys:
+            e = self._entries[key]
+            if e.tokens >= len(ids) and _common(e.ids, ids) == len(ids):
+                return e
+        return None
+
+    def _prefixes_of(self, ids: npt.NDArray[np.int32], hashes: list[int]) -> list[_Entry]:
+        """The entries whose tokens are a prefix of `ids` (under the lock)."""
+        keys = {k for k in self._first.get(int(ids[0]), ()) if not self._entries[k].hashes}
+        for i, h in enumerate(hashes):
+            keys.update(k for k in self._index.get(h, ()) if len(self._entries[k].hashes) == i + 1)
+        out = []
+        for key in keys:
+            e = self._entries[key]
+            if e.tokens <= len(ids) and _common(e.ids, ids) == e.tokens:
+                out.append(e)
+        return out
 
     # ---- reporting -------------------------------------------------------------------
     def hashes(self, limit: int = 8192) -> list[int]:
@@ -255,18 +328,19 @@ class PrefixCache:
     # ---- bookkeeping (under the lock) -------------------------------------------------
     def _add(self, entry: _Entry) -> None:
         self._entries[entry.key] = entry
-        for i, h in enumerate(entry.hashes):
-            self._index.setdefault(h, {})[entry.key] = i + 1
+        self._first.setdefault(int(entry.ids[0]), set()).add(entry.key)
+        for h in entry.hashes:
+            self._index.setdefault(h, set()).add(entry.key)
 
     def _drop(self, entry: _Entry, why: str) -> None:
         if self._entries.pop(entry.key, None) is None:
             return
-        for h in entry.hashes:
-            holders = self._index.get(h)
+        for table, h in ((self._first, int(entry.ids[0])), *((self._index, h) for h in entry.hashes)):
+            holders = table.get(h)
             if holders is not None:
-                holders.pop(entry.key, None)
+                holders.discard(entry.key)
                 if not holders:
-                    del self._index[h]
+                    del table[h]
         if why == "evicted":
             self._stats.evictions += 1
         entry.arrays = None
@@ -398,9 +472,9 @@ class PrefixCache:
             raise FormatError(f"header is not JSON ({e})") from None
         if not isinstance(header, dict):
             raise FormatError("header is not a JSON object")
-        if header.get("format") != FORMAT or header.get("version") != VERSION:
+        if header.get("format") != FORMAT or header.get("version") not in READABLE:
             raise FormatError(f"format {header.get('format')!r} version {header.get('version')!r} is not "
-                              f"{FORMAT!r} version {VERSION}")
+                              f"{FORMAT!r} version {' or '.join(map(str, READABLE))}")
         if header.get("model_id") != self.model_id or header.get("kv_identity") != self.identity:
             raise _Foreign(f"KV of model {header.get('model_id')!r} ({header.get('kv_identity')!r})")
         want = {"block": BLOCK, "layout": self.layout, "num_layers": self.args.num_layers}
@@ -423,7 +497,7 @@ class PrefixCache:
             if path.suffix != SUFFIX:
                 continue
             try:
-                header, _, plen, _, _ = self._read_header(path)
+                header, raw, plen, _, _ = self._read_header(path)
             except _Foreign as e:
                 log.info("prefix cache: skipping %s: %s, not this worker's", path, e)
                 continue
@@ -431,13 +505,11 @@ class PrefixCache:
                 self._reject(path, str(e))
                 continue
             try:
-                hashes = [int(h, 16) for h in header["hashes"]]
-                if not hashes or path.name != f"{hashes[-1]:016x}{SUFFIX}" or header["tokens"] != len(hashes) * BLOCK:
-                    raise FormatError("name, hashes and token count disagree")
+                entry = self._scanned(path, header, _PRE.size + len(raw), plen)
             except (FormatError, OSError, KeyError, TypeError, ValueError) as e:
                 self._reject(path, str(e))
                 continue
-            found.append((path.stat().st_mtime, _Entry(hashes[-1], hashes, plen, on_disk=True)))
+            found.append((path.stat().st_mtime, entry))
         with self._lock:
             for _, entry in sorted(found, key=lambda x: x[0]):  # oldest first = least recently used
                 if entry.key not in self._entries:
@@ -446,6 +518,29 @@ class PrefixCache:
         if found:
             log.info("prefix cache: %d entries (%d tokens) from %s", len(self._entries),
                      sum(e.tokens for e in self._entries.values()), self.directory)
+
+    def _scanned(self, path: Path, header: dict[str, Any], start: int, plen: int) -> _Entry:
+        """The entry a file's header describes, with its token ids read from the payload (their
+        checksum is checked with the rest of the payload when the entry is first used)."""
+        n = int(header["tokens"])
+        hashes = [int(h, 16) for h in header["hashes"]]
+        spec = {a["name"]: a for a in header["arrays"]}.get("tokens")
+        if spec is None:
+            raise FormatError("no token array")
+        if (n < 1 or spec["dtype"] != "<i4" or spec["shape"] != [n] or int(spec["offset"]) % ALIGN
+                or int(spec["offset"]) + 4 * n > plen):
+            raise FormatError(f"token array {spec} does not fit {n} tokens")
+        with open(path, "rb") as f:
+            f.seek(start + int(spec["offset"]))
+            raw = f.read(4 * n)
+        if len(raw) != 4 * n:
+            raise FormatError("short read of the token ids")
+        ids = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+        key = entry_key(ids, hashes, self.model_id)
+        if (block_hashes(ids, BLOCK, self.model_id) != hashes or path.name != f"{key:016x}{SUFFIX}"
+                or (header["version"] == 1 and n != len(hashes) * BLOCK)):
+            raise FormatError("name, hashes and token ids disagree")
+        return _Entry(key, hashes, ids, plen, on_disk=True)
 
     def _read(self, entry: _Entry) -> Arrays | None:
         """The entry's arrays from its file, verified; None (file rejected, entry dropped) if bad."""
@@ -463,8 +558,8 @@ class PrefixCache:
             if h.intdigest() != checksum:
                 raise FormatError("checksum mismatch")
             arrays = self._arrays(header, payload)
-            if block_hashes(arrays["tokens"], BLOCK, self.model_id) != entry.hashes:
-                raise FormatError("tokens do not hash to the header's block hashes")
+            if not np.array_equal(arrays["tokens"], entry.ids):
+                raise FormatError("its tokens are not the ones its header and name stand for")
             return arrays
         except (FormatError, OSError, KeyError, TypeError, ValueError) as e:
             with self._lock:

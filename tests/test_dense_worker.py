@@ -30,6 +30,7 @@ from moetier.convert import synth
 from moetier.engine import Engine
 from moetier.model.sampling import SamplingParams
 from moetier.prefix import block_hashes
+from moetier.prefix_cache import entry_key
 from moetier.rpc.errors import RETRY_AFTER_KEY
 from moetier.rpc.v1 import dense_worker_pb2, dense_worker_pb2_grpc, generate_pb2
 from moetier.rpc.v1 import expert_store_pb2 as spb
@@ -456,7 +457,7 @@ async def test_conversation_resumes_after_a_worker_restart(models: dict[str, Pat
     turn1, extra = prompt_of(45, 20), prompt_of(7, 21)
     async with cluster(models["deepseek_v3"], tmp_path / "a") as c:
         out1, out2, cached, total = await conversation(c, turn1, extra)
-    assert cached == ((len(turn1) + len(out1) - 1) // 16) * 16 == 64  # the first turn's KV, whole blocks
+    assert cached == len(turn1) + len(out1) - 1  # all of the first turn's KV (its last token was never fed)
     assert out2 == reference(engines["deepseek_v3"], turn1 + out1 + extra,
                              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
 
@@ -480,6 +481,28 @@ async def test_conversation_resumes_after_a_worker_restart(models: dict[str, Pat
         m = c.metrics()
         assert m["moetier_dense_worker_prefix_cache_hit_tokens_total"] == cached
         assert m["moetier_dense_worker_prefix_cache_query_tokens_total"] == total
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_reuse_to_the_token_in_a_batch(arch: str, models: dict[str, Path], engines: dict[str, Engine],
+                                             tmp_path: Path) -> None:
+    """After one request, a batch of prompts reusing its KV to the token (strict prefixes of 17, 30,
+    31 and 33 tokens, the conversation's next turn, the same prompt again) and one sharing
+    nothing: each reuses all it shares but its last token, and equals the engine's output without
+    any reuse."""
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    base = prompt_of(40, 60)
+    async with cluster(models[arch], tmp_path) as c:
+        out = tokens(await collect(c.stub, request(base, 8, rid="first")))
+        held = len(base) + len(out) - 1  # the last generated token was never fed
+        cases = [(base[:17], 16), (base[:30], 29), (base[:31], 30), (base[:33], 32), (base, 39),
+                 ([*base, *out, *prompt_of(5, 61)], held), (prompt_of(30, 62), 0)]
+        got = await asyncio.gather(*(collect(c.stub, request(p, 8, rid=f"b{i}")) for i, (p, _) in enumerate(cases)))
+        for (prompt, cached), msgs in zip(cases, got, strict=True):
+            assert msgs[0].cached_prompt_tokens == cached, len(prompt)
+            assert tokens(msgs) == reference(engines[arch], prompt, greedy), len(prompt)
+        m = c.metrics()
+        assert m["moetier_dense_worker_prefix_cache_hit_tokens_total"] == sum(n for _, n in cases)
 
 
 async def _files(d: Path, n: int) -> bool:
@@ -513,9 +536,8 @@ async def test_corrupt_or_torn_cache_files_are_ignored(models: dict[str, Path], 
 
 
 def cache_file(prefix: Path, held: list[int], model_id: str) -> Path:
-    """The file of the entry holding the whole blocks of `held` (named by its last block hash)."""
-    n = len(held) // 16 * 16
-    return prefix / f"{block_hashes(held[:n], 16, model_id)[-1]:016x}.kv"
+    """The file of the entry holding the tokens `held`."""
+    return prefix / f"{entry_key(np.asarray(held), block_hashes(held, 16, model_id), model_id):016x}.kv"
 
 
 def _mid(models: dict[str, Path]) -> str:

@@ -238,6 +238,14 @@ class Container:
         """A dense tensor as a QTensor whose arrays are read-only views of the memmapped file."""
         return self._df(name).get(name)
 
+    def resident_dense(self) -> dict[str, QTensor]:
+        """Every dense tensor, read once into anonymous memory with no copy left in the page cache
+        (DenseFile.read_resident): what a server holds for its lifetime."""
+        out: dict[str, QTensor] = {}
+        for df in self._dense_files:
+            out.update(df.read_resident())
+        return {name: out[name] for name in self.dense_names()}
+
     def _df(self, name: str) -> DenseFile:
         df = self._where.get(name)
         if df is None:

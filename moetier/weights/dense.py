@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from moetier.errors import FormatError
 from moetier.weights.format import SAFETENSORS_META_KEY
 from moetier.weights.quant import QDTYPES, QDType, QTensor
@@ -112,13 +114,22 @@ class DenseFile:
         if extra:
             raise FormatError(f"{label}: entry {extra[0]!r} is not described by the metadata")
 
-    def get(self, name: str) -> QTensor:
+    def get(self, name: str, data: np.ndarray | None = None) -> QTensor:
+        """A tensor viewing the map (or `data`, the file's bytes from `read_resident`)."""
         s = self.specs[name]
         if s.dtype in ("f32", "bf16"):
-            return QTensor(s.dtype, s.shape, self._mf.raw(name))
-        q = self._mf.raw(name + ".q")
-        sc = self._mf.raw(name + ".scales")
+            return QTensor(s.dtype, s.shape, self._mf.raw(name, data))
+        q = self._mf.raw(name + ".q", data)
+        sc = self._mf.raw(name + ".scales", data)
         return QTensor(s.dtype, s.shape, q, sc, s.group_size)
+
+    def read_resident(self) -> dict[str, QTensor]:
+        """Every tensor of the file, viewing one copy of its bytes in anonymous memory (none left
+        in the page cache; the map is not touched). Aligned as in the file, C-contiguous."""
+        data = self._mf.read_resident()
+        if len(data) != self._mf.header.path.stat().st_size:
+            raise FormatError(f"{self.label}: changed size while being read")
+        return {name: self.get(name, data) for name in self.specs}
 
     def close(self) -> None:
         self._mf.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import struct
 from collections.abc import Iterable, Mapping
@@ -125,14 +126,21 @@ class MappedFile:
 
     def __init__(self, path: Path, label: str | None = None) -> None:
         self.header = read_header(path, label)
+        self.label = label or str(path)
         size = path.stat().st_size
         self._mm: np.ndarray = (np.memmap(path, dtype=np.uint8, mode="r") if size
                                 else np.zeros(0, dtype=np.uint8))
 
-    def raw(self, name: str) -> np.ndarray:
-        """Stored array (BF16 as uint16, F8 as uint8), a view into the map."""
+    def raw(self, name: str, data: np.ndarray | None = None) -> np.ndarray:
+        """Stored array (BF16 as uint16, F8 as uint8), a view into the map (or into `data`, the
+        whole file's bytes as `read_resident` returns them)."""
         t = self.header.tensors[name]
-        return self._mm[t.begin:t.end].view(DTYPES[t.dtype]).reshape(t.shape)
+        src = self._mm if data is None else data
+        return src[t.begin:t.end].view(DTYPES[t.dtype]).reshape(t.shape)
+
+    def read_resident(self) -> np.ndarray:
+        """The file's bytes in anonymous memory, out of the page cache (`read_resident`)."""
+        return read_resident(self.header.path, self.label)
 
     def close(self) -> None:
         mm = self._mm
@@ -143,6 +151,48 @@ class MappedFile:
             # BufferError: a view is still alive; the map goes away with the last view
             with contextlib.suppress(BufferError, ValueError):
                 base.close()
+
+
+READ_CHUNK = 64 << 20  # bytes per read while loading a file into memory (a multiple of the page size)
+
+
+def read_resident(path: Path, label: str | None = None) -> np.ndarray:
+    """A whole file's bytes in anonymous memory: uint8 [size], read-only, page-aligned (every
+    offset keeps the alignment it has in the file). The file's pages are dropped from the page
+    cache as they are read (posix_fadvise DONTNEED; pages other processes map stay), so the
+    bytes are held once: here, and not again as cache."""
+    label = label or str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise FormatError(f"{label}: cannot read: {e.strerror}") from e
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return np.zeros(0, dtype=np.uint8)
+        mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        view = memoryview(mem)
+        pos = 0
+        while pos < size:
+            n = os.preadv(fd, [view[pos : pos + READ_CHUNK]], pos)
+            if n <= 0:
+                raise FormatError(f"{label}: file shrank to {pos} bytes while being read (expected {size})")
+            _drop_cached(fd, pos, n)
+            pos += n
+        _drop_cached(fd, 0, 0)  # and whatever read-ahead brought in beyond the last chunk
+        del view
+    except OSError as e:
+        raise FormatError(f"{label}: cannot read: {e.strerror}") from e
+    finally:
+        os.close(fd)
+    out = np.frombuffer(mem, dtype=np.uint8)  # keeps the mapping alive as long as any view of it
+    out.flags.writeable = False
+    return out
+
+
+def _drop_cached(fd: int, offset: int, length: int) -> None:
+    if hasattr(os, "posix_fadvise"):  # Linux and most Unix; elsewhere the page cache keeps its copy
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 class SafetensorsWriter:
