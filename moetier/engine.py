@@ -223,11 +223,26 @@ def demo_model_dir(settings: Settings) -> Path:
     return settings.data_path / "models" / DEMO_PRESET
 
 
+def _demo_current(path: Path) -> bool:
+    """Whether a built demo model is the current preset's (its context length and chat template);
+    an older one is rebuilt."""
+    from moetier.convert.synth import preset
+    from moetier.convert.tokenizer import CHAT_TEMPLATE
+    from moetier.text.tokenizer import read_json
+
+    try:
+        config, tok = read_json(path / "config.json"), read_json(path / "tokenizer_config.json")
+    except Exception:
+        return False
+    want = preset(DEMO_PRESET).config["max_position_embeddings"]
+    return bool(config.get("max_position_embeddings") == want and tok.get("chat_template") == CHAT_TEMPLATE)
+
+
 def ensure_demo_model(settings: Settings, say: bool = True) -> Path:
     """The demo container under data_dir/models/demo, built once (into a temporary directory
     renamed into place, so an interrupted build is never mistaken for a model)."""
     target = demo_model_dir(settings)
-    if (target / "moetier.json").is_file():
+    if (target / "moetier.json").is_file() and _demo_current(target):
         return target
     from moetier.convert.synth import write_container
 
@@ -238,12 +253,12 @@ def ensure_demo_model(settings: Settings, say: bool = True) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write_container(DEMO_PRESET, tmp, DEMO_SEED, settings.model.experts, settings.model.dense)
-        if target.exists() and not (target / "moetier.json").is_file():
-            shutil.rmtree(target)  # a directory left by an older, interrupted build
+        if target.exists() and not ((target / "moetier.json").is_file() and _demo_current(target)):
+            shutil.rmtree(target)  # a directory left by an interrupted build, or an older demo model
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / "moetier.json").is_file():  # not merely another process winning the race
+            if not (target / "moetier.json").is_file() or not _demo_current(target):  # not another process winning the race
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -108,7 +108,7 @@ class InferenceSection(_Section):
     max_batch_size: int = Field(8, ge=1, le=256, description="Sequences in a dense worker's running batch.")
     max_waiting: int = Field(64, ge=0, description="Requests a dense worker queues beyond the batch before "
                              "refusing with RESOURCE_EXHAUSTED.")
-    max_seq_len: int = Field(4096, ge=16, description="Prompt + generated tokens per sequence (capped by the "
+    max_seq_len: int = Field(32768, ge=16, description="Prompt + generated tokens per sequence (capped by the "
                              "model's max_position_embeddings).")
     prefill_chunk: int = Field(256, ge=1, description="Prompt tokens prefilled per step; long prompts are "
                                "prefilled in chunks between decode steps.")
@@ -152,9 +152,12 @@ class StoreEndpoint(Endpoint):
 
 class GatewaySection(_Section):
     bind: str = Field("127.0.0.1:8000", description="host:port of the OpenAI-compatible HTTP API.")
-    api_key: str | None = Field(None, description="If set, /v1/* requires `Authorization: Bearer <key>`.")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="Largest accepted request body (413 above).")
+    api_key: str | None = Field(None, description="If set, /v1/* requires it, as `Authorization: Bearer <key>` "
+                                "or `x-api-key: <key>`.")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest accepted request body (413 above).")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one generation through the router.")
+    tool_parser: str | None = Field(None, description="Tool-call format of the model (qwen3, glm45, deepseek_v3, "
+                                    "kimi_k2, mistral); default: chosen from its chat template and architecture.")
 
 
 class Settings(BaseSettings):

@@ -28,6 +28,7 @@ from helpers_gateway import (
 )
 
 from moetier.rpc.v1 import generate_pb2
+from moetier.settings import GatewaySection
 from moetier.text import ChatTemplate
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import ServedModel
@@ -76,7 +77,8 @@ async def test_chat_completion_body(gw: InProcess, model: ServedModel) -> None:
     assert list(req.prompt_ids) == tok.encode(prompt, add_special_tokens=False)
     completion = len(tok.encode(REPLY, add_special_tokens=False)) + 1  # the eos token counts, unseen
     p = len(req.prompt_ids)
-    assert b["usage"] == {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
+    assert b["usage"] == {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion,
+                          "prompt_tokens_details": {"cached_tokens": 0}}
     s = req.sampling
     assert s.max_tokens == MAX_POS - p  # the rest of the context
     assert tuple(s.stop_token_ids) == tok.eos_token_ids
@@ -258,13 +260,15 @@ async def test_bad_requests(gw: InProcess, case: tuple[str, dict[str, Any], int,
 
 
 async def test_chunked_body_over_the_limit(gw: InProcess) -> None:
+    limit = GatewaySection().max_body_bytes
+
     async def body() -> AsyncIterator[bytes]:
-        for _ in range(20):
+        for _ in range(limit // 100_000 + 2):
             yield b" " * 100_000
 
     err = _error(await gw.client.post("/v1/chat/completions", content=body(),
                                       headers={"content-type": "application/json"}), 413)
-    assert "1048576 bytes" in err["message"]
+    assert f"{limit} bytes" in err["message"]
 
 
 async def test_completion_errors(gw: InProcess) -> None:

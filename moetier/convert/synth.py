@@ -110,6 +110,9 @@ def _mla(model_type: str, *, hidden: int, layers: int, first_dense: int, experts
 
 
 TINY_VOCAB = 512
+# The demo model's context: coding agents' requests carry 10-30k tokens of system prompt and
+# tool definitions (the KV cache grows with use, so the length costs nothing until used).
+DEMO_POSITIONS = 32768
 
 
 def _tiny() -> dict[str, Preset]:
@@ -153,7 +156,7 @@ def _presets() -> dict[str, Preset]:
         "demo", "the embedded default of `moetier up`: MLA deepseek_v3-style, ~180 MB of int4 experts",
         _mla("deepseek_v3", hidden=512, layers=10, first_dense=1, experts=64, top_k=4, shared=1, moe_i=384,
              inter=1536, heads=8, q_lora=192, kv_lora=128, nope=48, rope=16, v=48, vocab=4096,
-             n_group=4, topk_group=2, routed_scaling_factor=2.5, max_position_embeddings=4096),
+             n_group=4, topk_group=2, routed_scaling_factor=2.5, max_position_embeddings=DEMO_POSITIONS),
         4096)
     p["olmoe-1b-7b"] = Preset(
         "olmoe-1b-7b", "the shape of OLMoE-1B-7B (16 layers, 64 experts top-8)",

@@ -27,13 +27,49 @@ SPECIAL_TOKENS = [BOS, EOS, PAD, "<|system|>", "<|user|>", "<|assistant|>", END]
 BOS_ID, EOS_ID, PAD_ID, END_ID = 0, 1, 2, 6
 STOP_IDS = [EOS_ID, END_ID]
 
-# Hugging Face semantics: `messages` (role, content), `add_generation_prompt`, `bos_token`.
+# Hugging Face semantics: `messages` (role, content; assistant `tool_calls`, tool `tool_call_id`),
+# `tools` (transformers' list of {"type": "function", "function": {...}}), `add_generation_prompt`,
+# `bos_token`. Without tools it renders exactly as the plain role template. Tools and tool calls
+# use the Hermes / Qwen3 format: the tool list in the system turn, each call as
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, tool results as user turns in
+# <tool_response> tags; so the gateway parses the demo model's calls with its qwen3 format.
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_INSTRUCTION = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": '
+    "<args-json-object>}\n</tool_call>"
+)
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|system|>\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '" + TOOLS_PREAMBLE.replace("\n", "\\n") + "' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '" + TOOLS_INSTRUCTION.replace("\n", "\\n") + "<|end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls is defined and message.tool_calls %}"
+    "{{- '<|assistant|>\\n' + message['content'] }}"
+    "{%- for call in message.tool_calls %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (fn.name | tojson) + ', \"arguments\": ' }}"
+    "{{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
 )
 
 _memo: dict[int, str] = {}

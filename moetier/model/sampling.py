@@ -106,10 +106,13 @@ class Sampler:
         self.generated = 0
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
-    def choose(self, logits: F32) -> SampledToken:
-        """Pick the next token from logits [V] and remember it."""
+    def choose(self, logits: F32, allowed: npt.NDArray[np.bool_] | None = None) -> SampledToken:
+        """Pick the next token from logits [V] and remember it. `allowed` [V] (a grammar's
+        token mask): only those tokens may be chosen (at least one must be True)."""
         p = self.params
         penalised = apply_penalties(logits, self.counts, p.presence_penalty, p.frequency_penalty)
+        if allowed is not None:
+            penalised = np.where(allowed, penalised, np.float32(-np.inf)).astype(np.float32)
         if p.temperature == 0:
             token = greedy_token(penalised)
         else:

@@ -16,6 +16,7 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
         self._held = ""  # a suffix of the text seen so far that is a proper prefix of a stop string
 
     def feed(self, text: str) -> str:
@@ -26,11 +27,12 @@ class StopMatcher:
         if not self.stops:
             self._held = ""
             return buf
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda h: h[0])
             self.stopped = True
             self._held = ""
-            return buf[: min(hits)]
+            return buf[:at]
         keep = self._partial_tail(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]

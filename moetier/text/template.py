@@ -5,7 +5,8 @@ environment with trim_blocks and lstrip_blocks, the loopcontrols extension, a `t
 filter that keeps non-ASCII characters, and the globals `raise_exception` and
 `strftime_now`. The template sees `messages` (a list of {"role", "content"} dicts),
 `add_generation_prompt`, `bos_token`, `eos_token` (and the other special tokens of
-tokenizer_config.json), `tools` and `documents` (None).
+tokenizer_config.json), `tools` (transformers' list of {"type": "function", "function": ...},
+or None), `documents` (None), and extra variables such as `enable_thinking`.
 """
 
 from __future__ import annotations
@@ -50,16 +51,22 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens or {})
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template uses the `tools` variable at all."""
+        return "tools" in self.source
+
+    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
         """The prompt text for a conversation. A template that rejects the conversation
         (`raise_exception`, e.g. roles that do not alternate) raises InvalidArgument."""
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=[dict(t) for t in tools] if tools else None,
                 documents=None,
-                **self.special_tokens,
+                **{**self.special_tokens, **extra},
             )
         except jinja2.TemplateError as e:
             raise InvalidArgument(f"the model's chat template rejected the messages: {e}") from None

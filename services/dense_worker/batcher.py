@@ -20,7 +20,9 @@ The loop, at every step boundary:
          the prefilling ones, oldest first, at most `prefill_chunk` prompt tokens per step
          in all (a long prompt is prefilled over several steps, interleaved with decoding),
        - runs `Model.step` on all rows (one ComputeExperts call per MoE layer, the batch
-         union), then samples each sequence whose prompt is complete with its own Sampler,
+         union), then samples each sequence whose prompt is complete with its own Sampler;
+         sequences with a grammar (structured outputs) first get their token masks, all
+         in one parallel call, and their matchers advance by the sampled token,
        - stores the KV of every sequence that finished in the prefix cache;
   3. streams the tokens to their callers and retires finished sequences.
 A step that fails (expert store down or slow past its deadline) fails the sequences in
@@ -43,11 +45,12 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from moetier.errors import ResourceExhausted, Unavailable
+from moetier.errors import InvalidArgument, ResourceExhausted, Unavailable
 from moetier.model.forward import Model
 from moetier.model.kv_cache import KVCache
 from moetier.model.sampling import SampledToken, Sampler, SamplingParams
 from moetier.prefix_cache import PrefixCache
+from moetier.text.grammar import GrammarCompiler, GrammarMatcher, fill_masks
 from services.dense_worker.metrics import StepReport, WorkerMetrics
 from services.dense_worker.timing import PhaseClock
 
@@ -76,6 +79,7 @@ class Request:
     request_id: str
     prompt: I64  # [P]
     params: SamplingParams  # stop_token_ids are the request's; ignore_eos is set (the caller chose)
+    grammar: str | None = None  # llguidance grammar the generated tokens must match (structured outputs)
     received: float = field(default_factory=time.monotonic)
 
 
@@ -87,6 +91,7 @@ class StepTimings:
     expert_s: float
     sampling_s: float
     rows: int
+    mask_s: float = 0.0  # grammar masks: computing and applying them (part of sampling_s)
 
 
 @dataclass(frozen=True)
@@ -103,9 +108,10 @@ class Output:
 
 
 class Sequence:
-    def __init__(self, request: Request, vocab_size: int) -> None:
+    def __init__(self, request: Request, vocab_size: int, matcher: GrammarMatcher | None = None) -> None:
         self.request = request
         self.sampler = Sampler(request.params, vocab_size)
+        self.matcher = matcher  # owned by the step thread once admitted
         self._queue: asyncio.Queue[Output | BaseException] = asyncio.Queue()
         self.cancelled = False
         self.finished = False
@@ -148,8 +154,10 @@ class _Result:
 
 class Batcher:
     def __init__(self, model: Model, experts: Stepper, prefix: PrefixCache | None, clock: PhaseClock,
-                 metrics: WorkerMetrics, limits: Limits, after_step: Callable[[], None] | None = None) -> None:
+                 metrics: WorkerMetrics, limits: Limits, after_step: Callable[[], None] | None = None,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.model = model
+        self.grammars = grammars  # None: the model has no tokenizer, structured outputs are refused
         self.experts = experts
         self.prefix = prefix
         self.clock = clock
@@ -191,11 +199,19 @@ class Batcher:
             retry = max(0.05, min(5.0, 4 * self._mean_step_s * (1 + len(self._waiting) / lim.max_batch)))
             raise ResourceExhausted(f"dense worker full: {running} running (max {lim.max_batch}), "
                                     f"{len(self._waiting)} waiting (max {lim.max_waiting})", retry_after_s=retry)
-        seq = Sequence(request, lim.vocab_size)
+        seq = Sequence(request, lim.vocab_size, self._matcher(request))
         self._waiting.append(seq)
         self.metrics.prompt_tokens.inc(len(request.prompt))
         self._wake.set()
         return seq
+
+    def _matcher(self, request: Request) -> GrammarMatcher | None:
+        if request.grammar is None:
+            return None
+        if self.grammars is None:
+            raise InvalidArgument(f"request {request.request_id!r}: a grammar was given but this worker's model has "
+                                  "no tokenizer.json to compile it against")
+        return self.grammars.matcher(request.grammar)
 
     def release(self, seq: Sequence) -> None:
         """The caller is done with `seq` (finished, failed, or gone): a live one is cancelled. A
@@ -351,6 +367,7 @@ class Batcher:
                 seq.first_step_at = now
         sampled: list[tuple[Sequence, SampledToken, str | None]] = []
         error: BaseException | None = None
+        mask_s = 0.0
         try:
             self.experts.new_step()
             work = []
@@ -359,12 +376,23 @@ class Batcher:
                 work.append((seq.cache, t))
             logits = self.model.step(work)
             with self.clock.measure("sampling"):
+                ready = []
                 for (seq, t), lg in zip(rows, logits, strict=True):
                     if seq.prefilling:
                         seq.fed += len(t)
                         if seq.prefilling:
                             continue  # a prompt chunk short of the end: its logits choose nothing
-                    tok = seq.sampler.choose(lg)
+                    ready.append((seq, lg))
+                m0 = time.perf_counter()
+                masks = self._masks([s for s, _ in ready])
+                mask_s = time.perf_counter() - m0
+                for seq, lg in ready:
+                    allowed = masks.get(id(seq))
+                    tok = seq.sampler.choose(lg, allowed)
+                    if seq.matcher is not None:
+                        m0 = time.perf_counter()
+                        seq.matcher.accept(tok.token)
+                        mask_s += time.perf_counter() - m0
                     reason = seq.sampler.finish_reason(tok.token)
                     assert seq.cache is not None
                     if reason is None and seq.cache.length >= self.limits.max_seq_len:
@@ -388,5 +416,13 @@ class Batcher:
         step_s = time.perf_counter() - t0
         c = self.clock.seconds
         timings = StepTimings(step_s, c["attention"], c["gate"], c["expert"], c["sampling"],
-                              sum(len(t) for _, t in rows))
+                              sum(len(t) for _, t in rows), mask_s)
         return _Result(rows, sampled, lookups, timings, error, delta)
+
+    def _masks(self, seqs: list[Sequence]) -> dict[int, np.ndarray]:
+        """id(seq) -> [V] allowed tokens, for the sequences with a grammar (one parallel call)."""
+        constrained = [s for s in seqs if s.matcher is not None]
+        if not constrained:
+            return {}
+        masks = fill_masks([s.matcher for s in constrained if s.matcher is not None], self.limits.vocab_size)
+        return {id(s): m for s, m in zip(constrained, masks, strict=True)}

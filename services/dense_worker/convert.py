@@ -64,7 +64,10 @@ def request_from_pb(req: generate_pb2.GenerateRequest, limits: Limits) -> Reques
         params = sampling_from_pb(req.sampling, limits, len(prompt))
     except InvalidArgument as e:
         raise InvalidArgument(f"{where}: {e}") from None
-    return Request(request_id=req.request_id, prompt=prompt, params=params)
+    grammar = req.sampling.grammar if req.sampling.HasField("grammar") else None
+    if grammar is not None and not grammar.strip():
+        raise InvalidArgument(f"{where}: sampling.grammar is empty")
+    return Request(request_id=req.request_id, prompt=prompt, params=params, grammar=grammar)
 
 
 def response_to_pb(out: Output, worker_id: str) -> generate_pb2.GenerateResponse:
@@ -78,7 +81,8 @@ def response_to_pb(out: Output, worker_id: str) -> generate_pb2.GenerateResponse
         tokens=[gen],
         timings=generate_pb2.StepTimings(step_ns=int(t.step_s * 1e9), attention_ns=int(t.attention_s * 1e9),
                                          gate_ns=int(t.gate_s * 1e9), expert_ns=int(t.expert_s * 1e9),
-                                         sampling_ns=int(t.sampling_s * 1e9), batch_rows=t.rows))
+                                         sampling_ns=int(t.sampling_s * 1e9), batch_rows=t.rows,
+                                         mask_ns=int(t.mask_s * 1e9)))
     if out.finish_reason is not None:
         msg.finish_reason = out.finish_reason
     if out.first:

@@ -25,6 +25,8 @@ from moetier.model.forward import Model
 from moetier.prefix import BLOCK
 from moetier.prefix_cache import PrefixCache, kv_identity
 from moetier.settings import Settings, parse_bytes
+from moetier.text.grammar import GrammarCompiler
+from moetier.text.tokenizer import TextTokenizer
 from moetier.weights.container import Container
 from services.dense_worker.batcher import Batcher, Limits, Request, Sequence
 from services.dense_worker.metrics import WorkerMetrics
@@ -49,6 +51,14 @@ class LoadSnapshot:
 
 def prefix_dir(settings: Settings, model_id: str) -> Path:
     return (settings.inference.prefix_cache_dir or settings.data_path / "prefix-cache" / model_id).expanduser()
+
+
+def _grammars(model_dir: Path, vocab_size: int) -> GrammarCompiler | None:
+    """Structured outputs' compiler for the container's tokenizer (None without tokenizer.json)."""
+    if not (model_dir / "tokenizer.json").is_file():
+        log.info("%s has no tokenizer.json: requests with a grammar are refused", model_dir)
+        return None
+    return GrammarCompiler.from_dir(model_dir, vocab_size, TextTokenizer.from_dir(model_dir).eos_token_ids)
 
 
 class WorkerCore:
@@ -84,7 +94,7 @@ class WorkerCore:
         self._remote_seen: dict[str, int] = {}
         self.metrics.prefix_rejected.inc(self._prefix_seen.files_rejected)
         self.batcher = Batcher(self.model, self.experts, self.prefix, self.clock, self.metrics, self.limits,
-                               after_step=self.refresh_metrics)
+                               after_step=self.refresh_metrics, grammars=_grammars(settings.model.path, args.vocab_size))
         log.info("dense worker %s: %s (%s, %d layers), model %s, expert store %s, %s, batch %d + %d waiting, "
                  "prefix cache %s", self.worker_id, settings.model.path, args.arch, args.num_layers, self.model_id,
                  settings.expert_store.address, self.ops, self.limits.max_batch, self.limits.max_waiting,

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from moetier.errors import MoetierError, Unavailable
 from moetier.settings import Settings
+from services.gateway.chat import ChatRun, Options, complete_run, new_id, stream_run
 from services.gateway.engine import Generation
 from services.gateway.errors import APIError, envelope, from_moetier
 from services.gateway.formats import ChatFormat, CompletionFormat
@@ -76,12 +77,15 @@ class Gateway:
                            param=param, code="context_length_exceeded")
         return requested
 
-    def generation(self, request_id: str, prompt_ids: list[int], body: ChatCompletionRequest | CompletionRequest,
-                   max_tokens: int) -> Generation:
+    def router_or_fail(self) -> RouterClient:
         if self.router is None:
             raise Unavailable("the gateway is not started (no router connection)")
+        return self.router
+
+    def generation(self, request_id: str, prompt_ids: list[int], body: CompletionRequest,
+                   max_tokens: int) -> Generation:
         tok = self.model.tokenizer
-        return Generation(router=self.router, tokenizer=tok, metrics=self.metrics, request_id=request_id,
+        return Generation(router=self.router_or_fail(), tokenizer=tok, metrics=self.metrics, request_id=request_id,
                           prompt_ids=prompt_ids,
                           sampling=body.to_sampling_params(max_tokens=max_tokens, stop_token_ids=tok.eos_token_ids),
                           stops=body.stops, timeout_s=self.settings.gateway.request_timeout_s)
@@ -112,19 +116,20 @@ router = APIRouter()
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses={**_ERRORS, **_STREAM})
 async def chat_completions(body: ChatCompletionRequest, request: Request, gw: GatewayDep) -> Any:
     gw.check_model(body.model)
-    tok = gw.model.tokenizer
-    if tok.chat_template is None:
-        raise APIError(400, "The model has no chat template; use /v1/completions.", code="no_chat_template")
-    prompt = tok.chat_template.render([m.for_template() for m in body.messages])
-    prompt_ids = await asyncio.to_thread(tok.encode, prompt, add_special_tokens=False)
-    max_tokens = gw.completion_budget(len(prompt_ids), body.requested_max_tokens, "messages")
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = gw.generation(request_id, prompt_ids, body, max_tokens)
-    fmt = ChatFormat(id=request_id, created=now(), model=gw.model.name, tokenizer=tok, logprobs=bool(body.logprobs),
+    request_id = new_id("chatcmpl-")
+    opts = Options(max_tokens=body.requested_max_tokens,
+                   temperature=body.temperature if body.temperature is not None else 1.0,
+                   top_p=body.top_p if body.top_p is not None else 1.0, top_k=body.top_k or 0, seed=body.seed,
+                   presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                   stops=body.stops, logprobs=bool(body.logprobs),
+                   top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0)
+    run = await ChatRun.start(gw, body.to_conversation(), opts, request_id, param="messages")
+    fmt = ChatFormat(id=request_id, created=now(), model=gw.model.name, tokenizer=gw.model.tokenizer,
+                     logprobs=bool(body.logprobs),
                      include_usage=bool(body.stream_options and body.stream_options.include_usage))
     if body.stream:
-        return await _stream(request, gen, fmt)
-    return await _complete(request, gen, fmt)
+        return await stream_run(request, run, fmt)
+    return await complete_run(request, run, fmt)
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **_STREAM})
@@ -158,7 +163,7 @@ def _usage(gen: Generation) -> Usage:
                  total_tokens=gen.prompt_tokens + gen.completion_tokens)
 
 
-async def _complete(request: Request, gen: Generation, fmt: ChatFormat | CompletionFormat) -> Any:
+async def _complete(request: Request, gen: Generation, fmt: CompletionFormat) -> Any:
     async def run() -> Any:
         texts: list[str] = []
         tokens: list[Token] = []
@@ -176,7 +181,7 @@ async def _complete(request: Request, gen: Generation, fmt: ChatFormat | Complet
     return await cancel_on_disconnect(request, run())
 
 
-async def _stream(request: Request, gen: Generation, fmt: ChatFormat | CompletionFormat) -> EventStream:
+async def _stream(request: Request, gen: Generation, fmt: CompletionFormat) -> EventStream:
     """Wait for the first piece before answering, so that a refusal up front (429, 503)
     is still an HTTP status; after that, failures become an error event."""
     pieces = gen.pieces()

@@ -26,7 +26,8 @@ def create_app(settings: Settings, *, model: ServedModel | None = None) -> FastA
     """The OpenAI-compatible app. `model`: the served model (default: read from
     `model.path`, named `model.name` or after its directory). The router connection
     (`router.address`) is opened and closed by the app's lifespan."""
-    served = model or ServedModel.from_dir(default_model_dir(settings), settings.model.name)
+    served = model or ServedModel.from_dir(default_model_dir(settings), settings.model.name,
+                                           settings.gateway.tool_parser)
     gw = Gateway(settings=settings, model=served, metrics=GatewayMetrics())
     dashboard = Dashboard(settings.router.address, gw.metrics, served.name)
 

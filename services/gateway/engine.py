@@ -29,7 +29,9 @@ class Piece:
 class Generation:
     def __init__(self, *, router: RouterClient, tokenizer: TextTokenizer, metrics: GatewayMetrics,
                  request_id: str, prompt_ids: list[int], sampling: generate_pb2.SamplingParams,
-                 stops: list[str], timeout_s: float) -> None:
+                 stops: list[str], timeout_s: float, skip_special_tokens: bool = True) -> None:
+        """skip_special_tokens=False keeps special tokens in the text (tool-call markers that are
+        special tokens of their tokenizer); stop ids never become text either way."""
         self.router = router
         self.metrics = metrics
         self.request = generate_pb2.GenerateRequest(request_id=request_id, prompt_ids=prompt_ids,
@@ -37,9 +39,16 @@ class Generation:
         self.timeout_s = timeout_s
         self.prompt_tokens = len(prompt_ids)
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the worker served from its prefix cache
         self._stop_ids = frozenset(sampling.stop_token_ids)
-        self._detok = IncrementalDetokenizer(tokenizer.decode)
+        self._detok = IncrementalDetokenizer(
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
         self._stops = StopMatcher(stops)
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._stops.matched
 
     async def pieces(self) -> AsyncGenerator[Piece, None]:
         """The text of the generation; the last piece has a finish_reason. Raises a
@@ -56,6 +65,7 @@ class Generation:
                 now = time.perf_counter()
                 if first_step:
                     m.queue_time.observe(step.queue_s)
+                    self.cached_tokens = step.cached_tokens
                 piece = self._text(step)
                 if n := len(piece.tokens):
                     m.generation_tokens.inc(n)

@@ -7,6 +7,13 @@ Unavailable 503, others 500), starlette's HTTPException (unknown path, wrong met
 any other exception (500, logged). 401 and 413 come from the middlewares, which answer
 before the app runs, through `error_response`. The full table is in docs/gateway.md.
 Messages never carry a traceback.
+
+Paths of the Anthropic Messages API (/v1/messages...) answer the same errors in Anthropic's
+envelope, {"type": "error", "error": {"type", "message"}}, with its types per status
+(`anthropic_error`): 400 invalid_request_error, 401 authentication_error, 404
+not_found_error, 413 request_too_large, 429 rate_limit_error, 500 api_error, and 529
+overloaded_error where the OpenAI paths answer 503 (no worker serves: Anthropic's clients
+retry a 529).
 """
 
 from __future__ import annotations
@@ -44,7 +51,24 @@ def envelope(message: str, type: str, param: str | None = None, code: str | None
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(e: APIError) -> JSONResponse:
+ANTHROPIC_PREFIX = "/v1/messages"
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                   422: "invalid_request_error", 429: "rate_limit_error", 499: "invalid_request_error",
+                   500: "api_error", 529: "overloaded_error"}
+
+
+def anthropic_error(e: APIError) -> tuple[int, dict[str, Any]]:
+    """(status, body) of an error in the Anthropic envelope."""
+    status = 529 if e.status == 503 else e.status
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return status, {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def error_response(e: APIError, path: str = "") -> JSONResponse:
+    if path.startswith(ANTHROPIC_PREFIX):
+        status, body = anthropic_error(e)
+        return JSONResponse(body, status_code=status, headers=e.headers)
     return JSONResponse(envelope(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
@@ -96,22 +120,23 @@ def validation_error(request: Request, e: RequestValidationError) -> APIError:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return error_response(e)
+        return error_response(e, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(request, e))
+        return error_response(validation_error(request, e), request.url.path)
 
     @app.exception_handler(MoetierError)
     async def _moetier(request: Request, e: MoetierError) -> JSONResponse:
-        return error_response(from_moetier(e))
+        return error_response(from_moetier(e), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(e.status_code, str(e.detail), headers=dict(e.headers or {})))
+        return error_response(APIError(e.status_code, str(e.detail), headers=dict(e.headers or {})),
+                              request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
         return error_response(APIError(500, "internal error (see the gateway log)", type="server_error",
-                                       code="internal_error"))
+                                       code="internal_error"), request.url.path)

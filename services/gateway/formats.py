@@ -1,8 +1,10 @@
 """Response bodies and stream chunks in OpenAI's exact shapes, one class per endpoint.
 
-Chat stream: a first chunk with {"role": "assistant", "content": ""}, content chunks, a
-chunk with an empty delta and the finish_reason, with include_usage a last chunk with
-empty choices and the usage (and "usage": null on every other chunk), then [DONE].
+Chat stream: a first chunk with {"role": "assistant", "content": ""}, content chunks and
+tool call chunks (each call whole in one delta: {"tool_calls": [{"index", "id", "type",
+"function": {"name", "arguments"}}]}), a chunk with an empty delta and the finish_reason
+("tool_calls" when the answer made calls), with include_usage a last chunk with empty
+choices and the usage (and "usage": null on every other chunk), then [DONE].
 Completion stream: text chunks, the last one with the finish_reason, the usage chunk.
 """
 
@@ -11,20 +13,27 @@ from __future__ import annotations
 from typing import Any
 
 from moetier.text import TextTokenizer
+from moetier.text.conversation import CallDelta, Event
+from services.gateway.chat import ChatRun
 from services.gateway.engine import Piece
+from services.gateway.errors import APIError, envelope
 from services.gateway.protocol import (
     ChatChoice,
     ChatCompletion,
     ChatLogprobs,
     ChatResponseMessage,
+    ChatToolCall,
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    FunctionCall,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
 from services.gateway.router_client import Token
+from services.gateway.sse import DONE, event
 
 UNREPORTED = -9999.0  # a logprob the worker did not report (OpenAI's "very unlikely")
 
@@ -57,28 +66,52 @@ class _Format:
                 for i, lp in t.top_logprobs]
 
 
+def chat_usage(run: ChatRun) -> Usage:
+    u = run.usage()
+    return Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                 total_tokens=u.prompt_tokens + u.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
+
+
 class ChatFormat(_Format):
+    """/v1/chat/completions over a ChatRun (services.gateway.chat.RunFormat)."""
+
     object_name = "chat.completion.chunk"
 
-    def start(self) -> list[dict[str, Any]]:
-        return [self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})]
+    def start(self, run: ChatRun) -> list[str]:
+        return [event(self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None}))]
 
-    def chunks(self, piece: Piece) -> list[dict[str, Any]]:
+    def events(self, run: ChatRun, piece: Piece, events: list[Event]) -> list[str]:
         out = []
         lps = self._logprobs(piece.tokens)
-        if piece.text or lps is not None:
-            out.append(self._chunk({"index": 0, "delta": {"content": piece.text},
+        text = "".join(getattr(e, "text", "") for e in events)
+        if text or lps is not None:
+            out.append(self._chunk({"index": 0, "delta": {"content": text},
                                     "logprobs": lps.model_dump() if lps else None, "finish_reason": None}))
+        for e in events:
+            if isinstance(e, CallDelta):
+                call = {"index": e.index, "id": e.call.id, "type": "function",
+                        "function": {"name": e.call.name, "arguments": e.call.arguments}}
+                out.append(self._chunk({"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None,
+                                        "finish_reason": None}))
         if piece.finish_reason:
-            out.append(self._chunk({"index": 0, "delta": {}, "logprobs": None,
-                                    "finish_reason": piece.finish_reason}))
-        return out
+            out.append(self._chunk({"index": 0, "delta": {}, "logprobs": None, "finish_reason": run.finish_reason}))
+        return [event(c) for c in out]
 
-    def body(self, text: str, tokens: list[Token], finish_reason: str | None, usage: Usage) -> ChatCompletion:
-        choice = ChatChoice(index=0, message=ChatResponseMessage(content=text),
-                            logprobs=self._logprobs(tokens), finish_reason=finish_reason)
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice], usage=usage)
+    def end(self, run: ChatRun) -> list[str]:
+        return ([event(self.usage_chunk(chat_usage(run)))] if self.include_usage else []) + [DONE]
+
+    def error(self, run: ChatRun, err: APIError) -> list[str]:
+        return [event(envelope(err.message, err.type, err.param, err.code)), DONE]
+
+    def body(self, run: ChatRun, tokens: list[Token]) -> ChatCompletion:
+        calls = [ChatToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in run.calls]
+        message = ChatResponseMessage(content=run.text if run.text or not calls else None, tool_calls=calls or None)
+        choice = ChatChoice(index=0, message=message, logprobs=self._logprobs(tokens),
+                            finish_reason=run.finish_reason)
+        return ChatCompletion(id=self.id, created=self.created, model=self.model, choices=[choice],
+                              usage=chat_usage(run))
 
     def _logprobs(self, tokens: tuple[Token, ...] | list[Token]) -> ChatLogprobs | None:
         if not self.logprobs or not tokens:

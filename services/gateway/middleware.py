@@ -43,7 +43,8 @@ class StatusMetrics:
 
 
 class APIKeyAuth:
-    """With an API key set, /v1/* needs `Authorization: Bearer <key>` (compared in constant time)."""
+    """With an API key set, /v1/* needs `Authorization: Bearer <key>` or `x-api-key: <key>` (compared
+    in constant time). Errors take the envelope of the API the path belongs to."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
@@ -53,17 +54,19 @@ class APIKeyAuth:
         if self.key is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, given = header.partition(b" ")
+        headers = dict(scope["headers"])
+        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
         if scheme.lower() != b"bearer" or not given.strip():
-            problem = "You didn't provide an API key: send it as `Authorization: Bearer <key>`."
+            given = headers.get(b"x-api-key", b"")  # Anthropic's header
+        if not given.strip():
+            problem = "You didn't provide an API key: send it as `Authorization: Bearer <key>` or `x-api-key: <key>`."
         elif not hmac.compare_digest(given.strip(), self.key):
             problem = "Incorrect API key provided."
         else:
             await self.app(scope, receive, send)
             return
         response = error_response(APIError(401, problem, type="authentication_error", code="invalid_api_key",
-                                           headers={"WWW-Authenticate": "Bearer"}))
+                                           headers={"WWW-Authenticate": "Bearer"}), scope["path"])
         await response(scope, receive, send)
 
 
@@ -111,5 +114,5 @@ class BodyLimit:
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(APIError(
             413, f"Request body too large: the limit is {self.max_bytes} bytes (gateway.max_body_bytes).",
-            code="request_too_large"))
+            code="request_too_large"), scope["path"])
         await response(scope, receive, send)

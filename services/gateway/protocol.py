@@ -2,8 +2,10 @@
 with their constraints, and the response bodies. `to_sampling_params()` is the one place a
 request becomes engine parameters (proto SamplingParams).
 
-Supported: n = 1 (others are rejected), no tools, no logit_bias, no suffix. `top_k` is an
-extension (0 = off). Unknown fields are ignored, as OpenAI-compatible servers do.
+Supported: n = 1 (others are rejected), no logit_bias, no suffix. `top_k` is an extension
+(0 = off). Unknown fields are ignored, as OpenAI-compatible servers do. Chat requests
+become the gateway's one internal `Conversation` (`to_conversation`): tools, tool
+choice, assistant tool calls, tool results and the response format included.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from moetier.rpc.v1 import generate_pb2
+from moetier.text.conversation import Conversation, Message, ToolCall, ToolChoice, ToolDef
 
 U32 = 2**31 - 1  # bound for values that travel as uint32 (kept within int32 too)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is the rest of the context)
@@ -33,15 +36,103 @@ class TextPart(_Wire):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionCall(_Wire):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ChatToolCall(_Wire):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Wire):
-    role: Literal["system", "developer", "user", "assistant"] = Field(
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="`developer` is rendered as `system`.")
-    content: str | list[TextPart] = Field(description="A string, or text parts (joined with newlines).")
+    content: str | list[TextPart] | None = Field(
+        None, description="A string, or text parts (joined with newlines); may be null on an assistant "
+        "message with tool_calls.")
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = Field(None, description="Assistant messages: the calls it made.")
+    tool_call_id: str | None = Field(None, description="Tool messages: the call this is the result of.")
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
 
     def for_template(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+
+
+class FunctionDef(_Wire):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON schema of the arguments (an object).")
+    strict: bool | None = Field(None, description="Accepted; forced calls always follow the schema.")
+
+
+class ChatTool(_Wire):
+    type: Literal["function"] = Field(description="Only function tools.")
+    function: FunctionDef
+
+
+class NamedFunction(_Wire):
+    name: str
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(_Wire):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema")
+        return self
+
+    def schema_or_mode(self) -> dict[str, Any] | Literal["json_object"] | None:
+        if self.type == "json_object":
+            return "json_object"
+        if self.type == "json_schema" and self.json_schema is not None:
+            return self.json_schema.schema_ or {}
+        return None
+
+
+def tool_defs(tools: list[ChatTool] | None) -> list[ToolDef]:
+    out = [ToolDef(t.function.name, t.function.description, t.function.parameters or {"type": "object"})
+           for t in tools or []]
+    names = [t.name for t in out]
+    if len(set(names)) != len(names):
+        raise ValueError("tool names must be unique")
+    return out
 
 
 class StreamOptions(_Wire):
@@ -118,12 +209,41 @@ class ChatCompletionRequest(_Common):
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=U32, description="Extension: keep the k most likely tokens (0 = off).")
     user: str | None = None
+    tools: list[ChatTool] | None = Field(None, description="Function tools, rendered by the model's chat template.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without. required / named: exactly one call, "
+        "its arguments constrained to the tool's schema.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call is returned.")
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: the answer is "
+                                                   "decoded under that grammar.")
 
     @model_validator(mode="after")
     def _top_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        tool_defs(self.tools)
         return self
+
+    def to_conversation(self) -> Conversation:
+        tools = tool_defs(self.tools)
+        choice = self.tool_choice or ("auto" if tools else "none")
+        messages = []
+        names: dict[str, str] = {}  # call id -> tool name, for the tool messages answering it
+        for m in self.messages:
+            calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+            names.update((c.id, c.name) for c in calls)
+            role = "system" if m.role == "developer" else m.role
+            name = (m.name or names.get(m.tool_call_id or "")) if m.role == "tool" else None
+            messages.append(Message(role=role, content=m.text, tool_calls=calls, tool_call_id=m.tool_call_id,
+                                    name=name))
+        return Conversation(
+            messages=messages, tools=tools,
+            tool_choice=ToolChoice("named", choice.function.name) if isinstance(choice, NamedToolChoice)
+            else ToolChoice(choice),
+            parallel_tool_calls=self.parallel_tool_calls is not False,
+            response_schema=self.response_format.schema_or_mode() if self.response_format else None)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -205,10 +325,15 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens served from the dense worker's prefix cache.")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):
@@ -228,13 +353,21 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[ChatToolCall] | None = Field(None, description="Present when the answer made tool calls.")
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_calls(self, handler: Any) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
 
 
 class ChatCompletion(BaseModel):

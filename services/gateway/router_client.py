@@ -31,6 +31,7 @@ class Step:
     tokens: tuple[Token, ...]
     finish_reason: str | None = None  # "stop" | "length" on the last message
     prompt_tokens: int = 0  # first message only
+    cached_tokens: int = 0  # first message only: prompt tokens served from the worker's prefix cache
     queue_s: float = 0.0  # first message only
     worker_id: str = ""  # first message only
 
@@ -44,6 +45,7 @@ class Step:
             ),
             finish_reason=m.finish_reason if m.HasField("finish_reason") else None,
             prompt_tokens=m.prompt_tokens,
+            cached_tokens=m.cached_prompt_tokens,
             queue_s=m.queue_ns / 1e9,
             worker_id=m.worker_id,
         )
