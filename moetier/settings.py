@@ -108,7 +108,7 @@ class InferenceSection(_Section):
     max_batch_size: int = Field(8, ge=1, le=256, description="Sequences in a dense worker's running batch.")
     max_waiting: int = Field(64, ge=0, description="Requests a dense worker queues beyond the batch before "
                              "refusing with RESOURCE_EXHAUSTED.")
-    max_seq_len: int = Field(32768, ge=16, description="Prompt + generated tokens per sequence (capped by the "
+    max_seq_len: int = Field(65536, ge=16, description="Prompt + generated tokens per sequence (capped by the "
                              "model's max_position_embeddings).")
     prefill_chunk: int = Field(256, ge=1, description="Prompt tokens prefilled per step; long prompts are "
                                "prefilled in chunks between decode steps.")

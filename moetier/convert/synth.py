@@ -111,8 +111,9 @@ def _mla(model_type: str, *, hidden: int, layers: int, first_dense: int, experts
 
 TINY_VOCAB = 512
 # The demo model's context: coding agents' requests carry 10-30k tokens of system prompt and
-# tool definitions (the KV cache grows with use, so the length costs nothing until used).
-DEMO_POSITIONS = 32768
+# tool definitions and ask for up to 32k tokens of answer (Claude Code's default max_tokens);
+# the KV cache grows with use, so the length costs nothing until it is used.
+DEMO_POSITIONS = 65536
 
 
 def _tiny() -> dict[str, Preset]:

@@ -10,6 +10,7 @@ from importlib.metadata import version
 from fastapi import FastAPI
 
 from moetier.settings import Settings
+from services.gateway.anthropic import router as anthropic_router
 from services.gateway.api import Gateway, router
 from services.gateway.dashboard import Dashboard
 from services.gateway.dashboard import router as dashboard_router
@@ -17,6 +18,7 @@ from services.gateway.errors import install_handlers
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import APIKeyAuth, BodyLimit, StatusMetrics
 from services.gateway.model import ServedModel, default_model_dir
+from services.gateway.responses import router as responses_router
 from services.gateway.router_client import RouterClient
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ def create_app(settings: Settings, *, model: ServedModel | None = None) -> FastA
     app.state.dashboard = dashboard
     install_handlers(app)
     app.include_router(router)
+    app.include_router(responses_router)
+    app.include_router(anthropic_router)
     app.include_router(dashboard_router)
     # add_middleware wraps: the last added is the outermost.
     app.add_middleware(BodyLimit, max_bytes=settings.gateway.max_body_bytes)

@@ -89,26 +89,17 @@ class ChatRun:
         self.finish_reason: str | None = None  # "stop" | "length" | "tool_calls" once done
 
     @classmethod
+    async def count_tokens(cls, gw: Gateway, conv: Conversation, *, param: str) -> int:
+        """Prompt tokens of the conversation as the model would see it."""
+        return len(await _prompt_ids(gw, conv, param))
+
+    @classmethod
     async def start(cls, gw: Gateway, conv: Conversation, opts: Options, request_id: str, *, param: str,
                     call_id_prefix: str = "call_") -> ChatRun:
         model = gw.model
         tok = model.tokenizer
-        if tok.chat_template is None:
-            raise APIError(400, "The model has no chat template; use /v1/completions.", param=param,
-                           code="no_chat_template")
         fmt = model.tool_format
-        if conv.tools and fmt is None:
-            raise APIError(400, f"The model `{model.name}`'s chat template does not render tools, so this gateway "
-                           "cannot offer them (send the request without tools, or set gateway.tool_parser for a "
-                           "template that does).", param="tools", code="tools_unsupported")
-        for c in (conv.tool_choice.name,) if conv.tool_choice.mode == "named" else ():
-            if conv.tool(c or "") is None:
-                raise APIError(400, f"tool_choice names the tool `{c}`, which is not among the tools given.",
-                               param="tool_choice", code="invalid_value")
-        messages, tools = conv.for_template()
-        extra = {} if conv.thinking is None else {"enable_thinking": conv.thinking, "thinking": conv.thinking}
-        prompt = tok.chat_template.render(messages, tools=tools, **extra)
-        prompt_ids = await asyncio.to_thread(tok.encode, prompt, add_special_tokens=False)
+        prompt_ids = await _prompt_ids(gw, conv, param)
         max_tokens = gw.completion_budget(len(prompt_ids), opts.max_tokens, param)
         grammar = await asyncio.to_thread(_grammar, gw, conv, fmt)
         parse = fmt if conv.parses_tools else None
@@ -151,6 +142,28 @@ class ChatRun:
     def usage(self) -> Usage:
         g = self.gen
         return Usage(g.prompt_tokens, g.completion_tokens, g.cached_tokens)
+
+
+async def _prompt_ids(gw: Gateway, conv: Conversation, param: str) -> list[int]:
+    """The conversation through the model's chat template (tools included), tokenized."""
+    model = gw.model
+    tok = model.tokenizer
+    if tok.chat_template is None:
+        raise APIError(400, "The model has no chat template; use /v1/completions.", param=param,
+                       code="no_chat_template")
+    if conv.tools and model.tool_format is None:
+        raise APIError(400, f"The model `{model.name}`'s chat template does not render tools, so this gateway "
+                       "cannot offer them (send the request without tools, or set gateway.tool_parser for a "
+                       "template that does).", param="tools", code="tools_unsupported")
+    name = conv.tool_choice.name
+    if conv.tool_choice.mode == "named" and conv.tool(name or "") is None:
+        raise APIError(400, f"tool_choice names the tool `{name}`, which is not among the tools given.",
+                       param="tool_choice", code="invalid_value")
+    messages, tools = conv.for_template()
+    extra = {} if conv.thinking is None else {"enable_thinking": conv.thinking, "thinking": conv.thinking}
+    prompt = tok.chat_template.render(messages, tools=tools, **extra)
+    ids: list[int] = await asyncio.to_thread(tok.encode, prompt, add_special_tokens=False)
+    return ids
 
 
 def new_id(prefix: str) -> str:
