@@ -145,7 +145,7 @@ def gateway_settings(router_port: int, **gateway: Any) -> Settings:
     return load_settings(overrides={
         "router": {"bind": "127.0.0.1:0", "address": f"127.0.0.1:{router_port}", "metrics_port": 0, "id": "router"},
         "gateway": gateway,
-        "inference": {"max_seq_len": 65536},
+        "inference": {"max_seq_len": 4096},
     }, environ={})
 
 

@@ -4,6 +4,7 @@ HTTP clients: the official `openai` package, raw sockets that hang up, schemathe
 from __future__ import annotations
 
 import socket
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,6 +114,7 @@ def _running(gw: Served) -> float:
     return float(line.split()[1])
 
 
+@pytest.mark.timeout(400)  # five endpoints' worth of generated cases on a busy machine
 def test_schemathesis_finds_no_server_errors(gw: Served) -> None:
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
@@ -121,7 +123,7 @@ def test_schemathesis_finds_no_server_errors(gw: Served) -> None:
     schema = schemathesis.openapi.from_dict(httpx.get(f"{gw.url}/openapi.json").json())
 
     def with_our_model(case: schemathesis.Case) -> schemathesis.Case:
-        if isinstance(case.body, dict) and "model" in case.body and hash(str(case.body)) % 4:
+        if isinstance(case.body, dict) and "model" in case.body and zlib.crc32(str(case.body).encode()) % 4:
             case.body["model"] = MODEL  # mostly the served model, so requests reach the router
         return case
 

@@ -155,3 +155,90 @@ def fill_masks(matchers: Iterable[GrammarMatcher], vocab_size: int) -> npt.NDArr
         fill_next_token_bitmask_par(_executor(), [(m.raw, i) for i, m in enumerate(ms)], bits)
     as_bytes = bits.view(np.uint8).reshape(len(ms), -1)  # little-endian words: byte order = bit order
     return np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab_size].astype(bool)
+
+
+# ---- fitting a schema to the token budget -----------------------------------------------------
+# A grammar bounds the shape of an answer, not its length: an unbounded string, number or
+# array lets a weak model run past max_tokens, and a truncated answer parses as nothing.
+# `fit_schema` narrows a schema so that every instance fits the budget, in the worst case of
+# one token per byte (a string character may be 6 bytes: a JSON escape). Only what the schema
+# leaves open is bounded, and only within what it allows: a narrowed schema's instances
+# are instances of the original, so an answer that validates against one validates against
+# the other. Strings with a pattern, format, enum or const, and $refs, are left as they are.
+STRING_BYTES_PER_CHAR = 6
+NUMBER_MAGNITUDE = 10**9  # |x| bound for numbers the schema does not bound
+NUMBER_DECIMALS = 4  # digits after the point for numbers without multipleOf
+ARRAY_ITEMS = 8  # most items of an array without maxItems (within the budget)
+_UNBOUNDED_STRING_KEYS = ("pattern", "format", "enum", "const", "contentEncoding")
+
+
+def fit_schema(schema: Any, budget: int) -> Any:
+    """A narrower copy of `schema` whose instances take at most about `budget` tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    s = dict(schema)
+    if "$ref" in s or "enum" in s or "const" in s:
+        return s
+    for key in ("anyOf", "oneOf"):
+        if isinstance(s.get(key), list):
+            s[key] = [fit_schema(b, budget) for b in s[key]]
+    if isinstance(s.get("allOf"), list):
+        s["allOf"] = [fit_schema(b, budget) for b in s["allOf"]]
+    types = s.get("type")
+    kinds = set(types) if isinstance(types, list) else {types} if isinstance(types, str) else set()
+    if "string" in kinds and not any(k in s for k in _UNBOUNDED_STRING_KEYS):
+        room = max(0, (budget - 2) // STRING_BYTES_PER_CHAR)
+        bound = max(int(s.get("minLength", 0)), room)  # never below the schema's own minimum
+        s["maxLength"] = min(int(s["maxLength"]), bound) if "maxLength" in s else bound
+    if kinds & {"number", "integer"}:
+        _bound_number(s, integer=kinds <= {"integer"})
+    if "array" in kinds:
+        _fit_array(s, budget)
+    if "object" in kinds or "properties" in s:
+        _fit_object(s, budget)
+    return s
+
+
+def _bounds(s: dict[str, Any]) -> tuple[float | None, float | None]:
+    lo, hi = s.get("minimum", s.get("exclusiveMinimum")), s.get("maximum", s.get("exclusiveMaximum"))
+    return (lo if isinstance(lo, int | float) else None), (hi if isinstance(hi, int | float) else None)
+
+
+def _bound_number(s: dict[str, Any], integer: bool) -> None:
+    lo, hi = _bounds(s)
+    if lo is None and hi is None:
+        s["minimum"], s["maximum"] = -NUMBER_MAGNITUDE, NUMBER_MAGNITUDE
+    elif lo is None and hi is not None:
+        s["minimum"] = hi - 2 * NUMBER_MAGNITUDE
+    elif hi is None and lo is not None:
+        s["maximum"] = lo + 2 * NUMBER_MAGNITUDE
+    lo, hi = _bounds(s)
+    if not integer and "multipleOf" not in s and lo is not None and hi is not None:
+        decimals = NUMBER_DECIMALS
+        while decimals < 12 and (hi - lo) * 10**decimals < 4:  # keep a few multiples inside the range
+            decimals += 1
+        s["multipleOf"] = 10.0**-decimals
+
+
+def _fit_array(s: dict[str, Any], budget: int) -> None:
+    least = int(s.get("minItems", 0))
+    prefix: list[Any] = s["prefixItems"] if isinstance(s.get("prefixItems"), list) else []
+    most = int(s.get("maxItems", max(least, ARRAY_ITEMS)))
+    most = max(least, min(most, ARRAY_ITEMS if "maxItems" not in s else most, max(len(prefix), least, 1) * 64))
+    s["maxItems"] = most
+    share = max(1, (budget - 2) // max(1, most)) - 2
+    if prefix:
+        s["prefixItems"] = [fit_schema(p, share) for p in prefix]
+    if isinstance(s.get("items"), dict):
+        s["items"] = fit_schema(s["items"], share)
+
+
+def _fit_object(s: dict[str, Any], budget: int) -> None:
+    props: dict[str, Any] = s["properties"] if isinstance(s.get("properties"), dict) else {}
+    required = [r for r in s.get("required", []) if isinstance(r, str)]
+    if "additionalProperties" not in s and all(r in props for r in required):
+        s["additionalProperties"] = False  # extra keys would be unbounded; declared ones suffice
+    if props:
+        keys = sum(len(k) + 4 for k in props)
+        share = max(1, (budget - 2 - keys) // len(props))
+        s["properties"] = {k: fit_schema(v, share) for k, v in props.items()}

@@ -29,8 +29,8 @@ from fastapi import Request
 
 from moetier.errors import InvalidArgument, MoetierError
 from moetier.rpc.v1 import generate_pb2
-from moetier.text.conversation import CallDelta, Conversation, Event, TextDelta, ToolCall
-from moetier.text.grammar import json_schema_grammar, lark_grammar, lark_literal
+from moetier.text.conversation import CallDelta, Conversation, Event, TextDelta, ToolCall, ToolDef
+from moetier.text.grammar import fit_schema, json_schema_grammar, lark_grammar, lark_literal
 from moetier.text.tools import ToolFormat, ToolStream
 from services.gateway.engine import Generation, Piece
 from services.gateway.errors import APIError, from_moetier
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from services.gateway.api import Gateway
 
 log = logging.getLogger(__name__)
+
+GRAMMAR_RESERVE = 48  # tokens of a constrained answer kept for a tool call's wrapper and the stop token
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class ChatRun:
         fmt = model.tool_format
         prompt_ids = await _prompt_ids(gw, conv, param)
         max_tokens = gw.completion_budget(len(prompt_ids), opts.max_tokens, param)
-        grammar = await asyncio.to_thread(_grammar, gw, conv, fmt)
+        grammar = await asyncio.to_thread(_grammar, gw, conv, fmt, max_tokens)
         parse = fmt if conv.parses_tools else None
         gen = Generation(router=gw.router_or_fail(), tokenizer=tok, metrics=gw.metrics, request_id=request_id,
                          prompt_ids=prompt_ids, sampling=opts.sampling(max_tokens, tok.eos_token_ids, grammar),
@@ -170,17 +172,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
-def _grammar(gw: Gateway, conv: Conversation, fmt: ToolFormat | None) -> str | None:
-    """The llguidance grammar of the answer, checked against the tokenizer (None: unconstrained)."""
+def _grammar(gw: Gateway, conv: Conversation, fmt: ToolFormat | None, max_tokens: int) -> str | None:
+    """The llguidance grammar of the answer, checked against the tokenizer (None: unconstrained).
+    A schema is fitted to the token budget (moetier.text.grammar.fit_schema), so that the
+    answer ends complete whatever the model."""
     model = gw.model
+    budget = max(1, max_tokens - GRAMMAR_RESERVE)
     if conv.tools and conv.tool_choice.forced and fmt is not None:
         name = conv.tool_choice.name
-        tools = [t for t in conv.tools if name is None or t.name == name]
+        tools = [ToolDef(t.name, t.description, fit_schema(t.parameters, budget - len(t.name)))
+                 for t in conv.tools if name is None or t.name == name]
         grammar = lark_grammar(fmt.forced_lark(tools, _marker(gw)))
         what = "tool_choice: the arguments schema of " + ", ".join(f"`{t.name}`" for t in tools)
         param = "tools"
     elif conv.response_schema is not None:
-        schema = None if conv.response_schema == "json_object" else conv.response_schema
+        schema = None if conv.response_schema == "json_object" else fit_schema(conv.response_schema, budget)
         grammar = json_schema_grammar(schema)
         what, param = "the response format's JSON schema", "response_format"
     else:
