@@ -156,6 +156,9 @@ class GatewaySection(_Section):
                                 "or `x-api-key: <key>`.")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Largest accepted request body (413 above).")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline of one generation through the router.")
+    default_max_tokens: int | None = Field(None, ge=1, description="Completion tokens of a request that sets "
+                                           "none (chat max_tokens, Responses max_output_tokens); default: the rest "
+                                           "of the context (for a model that never stops, as the random demo model).")
     tool_parser: str | None = Field(None, description="Tool-call format of the model (qwen3, glm45, deepseek_v3, "
                                     "kimi_k2, mistral); default: chosen from its chat template and architecture.")
 

@@ -57,7 +57,8 @@ class Gateway:
                            param="model", code="model_not_found")
 
     def completion_budget(self, prompt_tokens: int, requested: int | None, param: str) -> int:
-        """max_tokens for the worker: what was asked, or the rest of the context."""
+        """max_tokens for the worker: what was asked, else gateway.default_max_tokens, else the rest
+        of the context."""
         limit = self.context_limit
         mpe = self.model.max_position_embeddings
         why = f"inference.max_seq_len={self.settings.inference.max_seq_len}" + (
@@ -69,7 +70,7 @@ class Gateway:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens ({why}); the prompt "
                                f"is {prompt_tokens} tokens, which leaves no room for a completion.",
                                param=param, code="context_length_exceeded")
-            return limit - prompt_tokens
+            return min(limit - prompt_tokens, self.settings.gateway.default_max_tokens or limit)
         if prompt_tokens + requested > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens ({why}). However, you "
                            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, "
