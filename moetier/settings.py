@@ -69,7 +69,7 @@ class ModelSection(_Section):
                               "percentage of the model's expert bytes (`25%`).")
     experts: Literal["int4", "int8", "bf16", "f32"] = Field(
         "int4", description="Expert quantization used when `moetier up` builds the demo model.")
-    dense: Literal["int8", "bf16", "f32"] = Field("int8", description="Dense quantization used when "
+    dense: Literal["int8", "int4", "bf16", "f32"] = Field("int8", description="Dense quantization used when "
                                                   "`moetier up` builds the demo model.")
 
     @field_validator("expert_cache")

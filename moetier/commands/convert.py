@@ -8,6 +8,7 @@ from typing import Any
 
 from moetier.convert.converter import ConvertOptions, convert
 from moetier.errors import ConversionError
+from moetier.weights.schema import DENSE_ALLOWED, EXPERTS_ALLOWED
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -24,7 +25,7 @@ def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("convert", help="convert a Hugging Face checkpoint to a container")
     p.add_argument("src", help="checkpoint directory (config.json + safetensors) or a .safetensors file")
     p.add_argument("out", help="output container directory (an interrupted conversion resumes)")
-    p.add_argument("--experts", choices=("int4", "int8", "bf16", "f32"), default="int4")
-    p.add_argument("--dense", choices=("int8", "bf16", "f32"), default="int8")
+    p.add_argument("--experts", choices=EXPERTS_ALLOWED, default="int4")
+    p.add_argument("--dense", choices=DENSE_ALLOWED, default="int8")
     p.add_argument("--group-size", type=int, default=64)
     p.set_defaults(func=_run)

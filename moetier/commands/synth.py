@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from moetier.convert import synth
+from moetier.weights.schema import DENSE_ALLOWED, EXPERTS_ALLOWED
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -39,8 +40,8 @@ def register(sub: Any) -> None:
     p.add_argument("--out", help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=("hf", "container"), default="container")
-    p.add_argument("--experts", choices=("int4", "int8", "bf16", "f32"), default="int4", help="container only")
-    p.add_argument("--dense", choices=("int8", "bf16", "f32"), default="int8", help="container only")
+    p.add_argument("--experts", choices=EXPERTS_ALLOWED, default="int4", help="container only")
+    p.add_argument("--dense", choices=DENSE_ALLOWED, default="int8", help="container only")
     p.add_argument("--group-size", type=int, default=64, help="container only")
     p.add_argument("--hf-dtype", choices=("bf16", "f32", "f16"), default="bf16", help="hf only")
     p.add_argument("--list", action="store_true", help="list presets and their sizes")

@@ -17,7 +17,7 @@ from moetier.weights.quant import QDType
 TensorClass = Literal["experts", "dense", "exact"]
 EXPERT_PARTS: tuple[str, ...] = ("gate", "up", "down")
 EXPERTS_ALLOWED: tuple[QDType, ...] = ("int4", "int8", "bf16", "f32")
-DENSE_ALLOWED: tuple[QDType, ...] = ("int8", "bf16", "f32")
+DENSE_ALLOWED: tuple[QDType, ...] = ("int8", "int4", "bf16", "f32")
 
 Shape = tuple[int, ...]
 
