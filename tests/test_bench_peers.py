@@ -1,0 +1,312 @@
+"""`moetier bench peers`: what runs without llama.cpp (arguments, the plan, cgroup and read-ahead
+helpers, the process-tree counters, the moetier side of a tiny run through the same client,
+the report), and, where llama-cpp-python has been built (`moetier bench peers --install`), a
+tiny end-to-end run of the peer too (skipped, with the reason, where it has not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moetier.bench.peers import report, run
+from moetier.bench.peers.client import Counters, complete
+from moetier.bench.peers.gguf_convert import is_gpt2_pre_tokenizer
+from moetier.bench.peers.peer import Peer, find_peer
+from moetier.bench.peers.sandbox import (
+    Cgroup,
+    ReadAhead,
+    Sandbox,
+    block_device,
+    cgroup_v1_available,
+    descendants,
+    read_bytes,
+)
+from moetier.bench.peers.systems import LlamaCpp, MoetierInProcess, MoetierUp
+from moetier.cli import main
+from moetier.convert import synth
+from moetier.engine import Engine
+from moetier.model.sampling import SamplingParams
+from moetier.settings import load_settings
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _config(tmp: Path) -> Path:
+    cfg = tmp / "cfg.yml"
+    cfg.write_text(yaml.safe_dump({"data_dir": str(tmp / "data")}))
+    return cfg
+
+
+# ---- arguments and the plan -------------------------------------------------------------------
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--precision", "q5"], "--precision 'q5': choose from q4, q8"),
+    (["--regime", "resident,swapped"], "--regime 'resident,swapped': choose from resident, capped"),
+    (["--rounds", "0"], "--rounds 0: must be at least 1"),
+    (["--tokens", "1"], "--tokens 1: must be at least 2"),
+    (["--threads", "4096"], "--threads 4096: this process may use only"),
+    (["--cap-share", "1.5"], "--cap-share 1.5: must be between 0 and 1"),
+    (["--cap", "lots"], "'lots' is not a byte size"),
+])
+def test_bad_arguments_name_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
+                                     message: str) -> None:
+    assert main(["bench", "peers", "--config", str(_config(tmp_path)), *flags]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_without_the_peer_it_says_how_to_install_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "peers", "--config", str(_config(tmp_path)), "--regime", "resident"]) == 1
+    err = capsys.readouterr().err
+    assert "llama-cpp-python 0.3.36 is not installed" in err and "moetier bench peers --install" in err
+
+
+def test_plan_lists_the_blocks_and_the_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "peers", "--config", str(_config(tmp_path)), "--plan", "--precision", "q4",
+                 "--cap", "1.5GB"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    resident = [line for line in out if line.startswith("q4 resident")]
+    assert resident == ["q4 resident: llama.cpp; llama.cpp, weights mmapped (no repack); moetier (moetier up)"]
+    capped = [line for line in out if line.startswith("q4 capped")]
+    if cgroup_v1_available() is None:
+        assert len(capped) == 1 and capped[0].endswith("(cap 1.50 GB)")
+        assert "llama.cpp, mmapped, read-ahead" in capped[0]
+    else:
+        assert capped == [] and any("capped regime skipped" in line for line in out)
+
+
+def test_plan_in_process_and_default_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "peers", "--config", str(_config(tmp_path)), "--plan", "--precision", "q4,q8",
+                 "--regime", "resident", "--in-process"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out if line.startswith("q")] == ["q4 resident", "q8 resident"]
+    assert all(line.endswith("moetier (in-process engine)") for line in out if line.startswith("q"))
+
+
+# ---- cgroup, read-ahead, process tree ---------------------------------------------------------
+def test_cgroup_files_with_a_fake_hierarchy(tmp_path: Path) -> None:
+    for c in ("memory", "cpuacct"):
+        (tmp_path / c).mkdir()
+    cg = Cgroup("bench", root=tmp_path, limit_bytes=2_200_000_000).create()
+    mem = tmp_path / "memory" / "bench"
+    assert (mem / "memory.limit_in_bytes").read_text() == "2200000000\n"
+    (mem / "memory.usage_in_bytes").write_text("123\n")
+    (mem / "memory.max_usage_in_bytes").write_text("456\n")
+    (mem / "memory.stat").write_text("cache 100\nrss 20\nmapped_file 7\n")
+    (tmp_path / "cpuacct" / "bench" / "cpuacct.usage").write_text("2500000000\n")
+    assert (cg.memory_bytes(), cg.peak_memory_bytes(), cg.cpu_seconds()) == (123, 456, 2.5)
+    assert cg.memory_stat() == {"cache": 100, "rss": 20, "mapped_file": 7}
+    assert cg.procs() == []
+
+
+@pytest.mark.skipif(cgroup_v1_available() is not None, reason=f"no v1 cgroups here: {cgroup_v1_available()}")
+def test_a_real_cgroup_holds_the_child_and_its_limit(tmp_path: Path) -> None:
+    cg = Cgroup(f"moetier-peers-test-{os.getpid()}", limit_bytes=256 << 20).create()
+    try:
+        # the child allocates and touches 64 MiB, reads a file, then waits to be counted
+        data = tmp_path / "f.bin"
+        data.write_bytes(os.urandom(1 << 20))
+        code = ("import sys,time; b=bytearray(64<<20); b[::4096]=b'x'*len(b[::4096]); "
+                "open(sys.argv[1],'rb').read(); print('ready', flush=True); time.sleep(30)")
+        p = subprocess.Popen([sys.executable, "-c", code, str(data)], stdout=subprocess.PIPE, preexec_fn=cg.join)
+        try:
+            assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+            sb = Sandbox(cgroup=cg)
+            assert sb.pids() == [p.pid]
+            assert sb.rss() >= 64 << 20
+            assert (sb.peak_memory() or 0) >= 64 << 20
+            assert sb.cpu_seconds() > 0
+            assert int((cg.path("memory") / "memory.limit_in_bytes").read_text()) == 256 << 20
+        finally:
+            p.kill()
+            p.wait()
+    finally:
+        cg.remove()
+    assert not cg.path("memory").exists() and not cg.path("cpuacct").exists()
+
+
+def test_process_tree_counters(tmp_path: Path) -> None:
+    # the child starts a grandchild, then spends 0.3 s of CPU (its own clock: a busy machine
+    # cannot shorten it) before it says so
+    code = ("import subprocess,sys,time; c=subprocess.Popen([sys.executable,'-c','import time; time.sleep(30)'])\n"
+            "while time.process_time() < 0.3: pass\nprint(c.pid, flush=True); time.sleep(30)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    grandchild = None
+    try:
+        assert p.stdout is not None
+        grandchild = int(p.stdout.readline())
+        assert set(descendants(p.pid)) == {p.pid, grandchild}
+        sb = Sandbox(root_pid=p.pid)
+        assert sb.rss() > 0 and sb.cpu_seconds() >= 0.29
+        assert read_bytes(p.pid) >= 0
+    finally:
+        p.kill()
+        p.wait()
+        if grandchild is not None:
+            os.kill(grandchild, 9)
+
+
+def _fake_disk(tmp_path: Path, kb: int = 8192) -> Path:
+    disk = tmp_path / "sys" / "devices" / "vda"
+    (disk / "queue").mkdir(parents=True)
+    (disk / "queue" / "read_ahead_kb").write_text(f"{kb}\n")
+    return disk
+
+
+def test_read_ahead_is_restored_after_errors_and_after_a_killed_run(tmp_path: Path) -> None:
+    disk = _fake_disk(tmp_path)
+    note = tmp_path / "note.json"
+    ra = ReadAhead(disk, note)
+    with ra.set(128):
+        assert ra.get() == 128 and json.loads(note.read_text())["read_ahead_kb"] == 8192
+    assert ra.get() == 8192 and not note.exists()
+    with pytest.raises(KeyboardInterrupt), ra.set(128):
+        raise KeyboardInterrupt  # Ctrl-C in the middle of a trial
+    assert ra.get() == 8192 and not note.exists()
+    # a run killed while the setting was changed leaves the note; the next run restores it
+    note.write_text(json.dumps({"device": str(disk), "read_ahead_kb": 8192}))
+    (disk / "queue" / "read_ahead_kb").write_text("128\n")
+    said: list[str] = []
+    ReadAhead.restore_leftover(note, said.append)
+    assert ra.get() == 8192 and not note.exists() and "restored" in said[0]
+
+
+def test_block_device_of_a_partition_is_its_disk(tmp_path: Path) -> None:
+    disk = _fake_disk(tmp_path)
+    part = disk / "vda1"
+    part.mkdir()
+    (part / "partition").write_text("1\n")
+    st = os.stat(tmp_path)
+    link = tmp_path / "sys" / "dev" / "block" / f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(part)
+    assert block_device(tmp_path, tmp_path / "sys") == disk
+    link.unlink()
+    assert block_device(tmp_path, tmp_path / "sys") is None
+
+
+def test_the_converter_fallback_accepts_only_gpt2_byte_level(tmp_path: Path) -> None:
+    hf = synth.write_hf_checkpoint("tiny-olmoe", tmp_path / "hf", 0)
+    assert is_gpt2_pre_tokenizer(hf / "tokenizer.json")
+    spec = json.loads((hf / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["add_prefix_space"] = True
+    (hf / "tokenizer.json").write_text(json.dumps(spec))
+    assert not is_gpt2_pre_tokenizer(hf / "tokenizer.json")
+
+
+# ---- the report -------------------------------------------------------------------------------
+def _trial(text: str, decode: float, ttft: float) -> dict[str, object]:
+    d = {"ttft_s": ttft, "decode_tok_s": decode, "cores_busy": 1.5, "read_bytes": 10}
+    return {"decode": d, "decode_repeat": {**d, "ttft_s": ttft / 10}, "texts": [text, text],
+            "prefill": {"prefill_tok_s": 100.0}, "baseline_rss": {"gateway": 5, "router": 7}, "peak_rss": 3}
+
+
+def test_report_spreads_ratios_and_the_text_check() -> None:
+    a = [_trial("same", x, 1.0) for x in (2.0, 4.0, 3.0)]
+    b = [_trial("same", x, 0.5) for x in (10.0, 30.0, 20.0)]
+    sa, sb = report.summarize(a), report.summarize(b)
+    assert sa["decode_tok_s"] == {"min": 2.0, "median": 3.0, "max": 4.0, "n": 3}
+    assert sa["baseline_rss_by_process"] == {"gateway": 5, "router": 7}
+    assert report.ratio(sa["decode_tok_s"], sb["decode_tok_s"]) == pytest.approx(0.15)
+    assert report.text_check({"x": a, "y": b}) == {"same_text": True, "text": "same"}
+    diff = report.text_check({"x": a, "y": [_trial("sane", 1.0, 1.0)]})
+    assert not diff["same_text"] and diff["differences"]["y"]["first_difference_at_char"] == 2
+
+
+# ---- the moetier side of a tiny run -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth.write_container("tiny-olmoe", tmp_path_factory.mktemp("peers") / "tiny-olmoe", 0, dense="int4")
+
+
+def _greedy_text(model: Path, prompt: str, n: int) -> str:
+    with Engine.open(model, budget="100%") as e:
+        ids = e.tokenizer.encode(prompt, add_special_tokens=True)
+        params = SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=e.eos_token_ids())
+        return e.tokenizer.decode([g.token for g in e.generate(ids, params)])
+
+
+def test_moetier_up_and_in_process_through_the_trial(tiny: Path, tmp_path: Path) -> None:
+    from moetier.bench.models import prompt_ids
+    from moetier.text.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_dir(tiny)
+    prompts = run.Prompts(decode=tok.decode(prompt_ids(tok, 12, 0)), warmup=tok.decode(prompt_ids(tok, 40, 2)),
+                          prefill=[tok.decode(prompt_ids(tok, 40, 1))], token_counts={"prefill0": 40})
+    rows = [run.Row("moetier (moetier up)", lambda w: MoetierUp(label="", kind="moetier", work=w, model=tiny)),
+            run.Row("moetier (in-process engine)",
+                    lambda w: MoetierInProcess(label="", kind="moetier", work=w, model=tiny))]
+    block = run.Block("q4", "resident", rows)
+    results = run.run_block(block, 1, prompts, tmp_path, cpus=sorted(os.sched_getaffinity(0))[:2], tokens=8,
+                            use_cgroups=False, ra=None, say=lambda _: None)
+    up, engine = results["moetier (moetier up)"][0], results["moetier (in-process engine)"][0]
+    assert set(up["baseline_rss"]) == {"up", "router", "expert_store", "dense_worker", "gateway"}
+    assert all(v > 10 << 20 for v in up["baseline_rss"].values())  # a Python process each
+    assert set(engine["baseline_rss"]) == {"engine"}
+    want = _greedy_text(tiny, prompts.decode, 8)
+    for r in (up, engine):
+        assert r["texts"] == [want, want]
+        assert r["decode"]["ttft_s"] > 0 and r["prefill"]["prefill_tok_s"] > 0
+        assert r["decode"]["usage_tokens"] is not None and r["decode"]["tokens"] <= r["decode"]["usage_tokens"]
+    assert report.text_check(results)["same_text"]
+
+
+def test_client_counts_tokens_and_reads_the_counters(tiny: Path, tmp_path: Path) -> None:
+    s = MoetierInProcess(label="engine", kind="moetier", work=tmp_path, model=tiny)
+    s.start(None, sorted(os.sched_getaffinity(0)))
+    try:
+        calls: list[float] = []
+
+        def counters() -> Counters:
+            calls.append(time.perf_counter())
+            return Counters(calls[-1], 0.5 * len(calls), 100 * len(calls))
+
+        t = complete(s.url, s.model_name, "The expert store", 6, counters, usage=True)
+        assert t.tokens == len(t.chunks) and 1 <= t.tokens <= 6
+        assert len(calls) == t.tokens + 2  # start, each text chunk, end
+        assert t.read_bytes == 100 * (len(calls) - 1)
+        assert t.ttft_s > 0 and t.text == _greedy_text(tiny, "The expert store", 6)
+    finally:
+        s.stop()
+
+
+# ---- with the peer built ----------------------------------------------------------------------
+def _peer_or_skip() -> Peer:
+    peer = find_peer(load_settings().data_path)
+    if peer is None:
+        pytest.skip("llama-cpp-python is not built here (`moetier bench peers --install` builds it, ~30 min)")
+    return peer
+
+
+def test_llama_cpp_serves_the_same_greedy_text_as_moetier(tmp_path: Path) -> None:
+    """The tiny olmoe in f32 through both toolchains (the sdist's converter; moetier convert):
+    without quantization both compute the same function, so greedy text must agree."""
+    peer = _peer_or_skip()
+    from moetier.convert.converter import ConvertOptions, convert
+
+    hf = synth.write_hf_checkpoint("tiny-olmoe", tmp_path / "hf", 0, dtype="f32")
+    container = convert(hf, tmp_path / "c", ConvertOptions("f32", "f32", 64), progress=False)
+    gguf = tmp_path / "tiny.gguf"
+    r = subprocess.run(peer.script("gguf_convert.py", str(peer.llama_cpp_dir), str(hf), "--outfile", str(gguf),
+                                   "--outtype", "f32"), capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tokenizer.ggml.pre = gpt-2" in r.stderr  # the fallback was needed and taken
+    s = LlamaCpp(label="llama.cpp", kind="llama.cpp", work=tmp_path / "llama", peer=peer, gguf=gguf, threads=1,
+                 n_ctx=256)
+    s.start(None, sorted(os.sched_getaffinity(0))[:1])
+    try:
+        assert s.baseline()["llama.cpp"] > 0
+        prompt = "The expert store reads"
+
+        def counters() -> Counters:
+            return Counters(time.perf_counter(), s.sandbox.cpu_seconds(), s.sandbox.read_bytes())
+
+        t = complete(s.url, s.model_name, prompt, 12, counters, usage=False)
+    finally:
+        s.stop()
+    assert t.text == _greedy_text(container, prompt, 12)
