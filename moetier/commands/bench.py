@@ -13,7 +13,7 @@ from moetier.cli import _modules
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("bench", help="run a benchmark (io, cache, compute, e2e)")
+    p: argparse.ArgumentParser = sub.add_parser("bench", help="run a benchmark (io, cache, compute, e2e, peers)")
     bsub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     for mod in _modules(bench):
         mod.register(bsub)
