@@ -295,8 +295,12 @@ def measure(args: argparse.Namespace, data: Path, peer: Peer, precisions: list[P
             blocks_out.append(block_result(block, results, footprints.get(block.precision)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    headline = [{"precision": b["precision"], "regime": b["regime"], **r} for b in blocks_out for r in b["ratios"]]
     return {
         "benchmark": "peers",
+        # decode tok/s moetier / llama.cpp of the first block (q4 resident by default), then every ratio
+        "ratio": headline[0]["decode"] if headline else None,
+        "ratios": headline,
         "machine": machine,
         "llama_cpp": peer.record,
         "settings": {"rounds": args.rounds, "threads": args.threads, "cpus": cpus, "prompt_tokens": args.prompt_tokens,
