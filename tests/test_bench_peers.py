@@ -310,3 +310,15 @@ def test_llama_cpp_serves_the_same_greedy_text_as_moetier(tmp_path: Path) -> Non
     finally:
         s.stop()
     assert t.text == _greedy_text(container, prompt, 12)
+
+
+def test_a_system_that_fails_to_start_is_a_reported_failure(tmp_path: Path) -> None:
+    rows = [run.Row("moetier (in-process engine)",
+                    lambda w: MoetierInProcess(label="", kind="moetier", work=w, model=tmp_path / "no-such-model"))]
+    prompts = run.Prompts(decode="a", warmup="b", prefill=["c"])
+    results = run.run_block(run.Block("q4", "resident", rows), 1, prompts, tmp_path, cpus=[0], tokens=4,
+                            use_cgroups=False, ra=None, say=lambda _: None)
+    (trial,) = results["moetier (in-process engine)"]
+    assert "exited during start-up" in trial["error"] and "no-such-model" in trial["log_tail"]
+    summary = report.summarize([trial])
+    assert summary["decode_tok_s"] is None and summary["failed"][0].startswith("round 1: Unavailable")

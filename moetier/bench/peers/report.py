@@ -8,17 +8,23 @@ from typing import Any
 
 # (key, label, getter over one trial); higher is better unless noted in the table header
 METRICS: dict[str, Callable[[dict[str, Any]], float | None]] = {
-    "ttft_s": lambda t: t["decode"]["ttft_s"],
-    "ttft_repeat_s": lambda t: t["decode_repeat"]["ttft_s"],
-    "decode_tok_s": lambda t: _pool(t["decode"]["decode_tok_s"], t["decode_repeat"]["decode_tok_s"]),
-    "prefill_tok_s": lambda t: t["prefill"]["prefill_tok_s"],
-    "cores_busy": lambda t: _pool(t["decode"]["cores_busy"], t["decode_repeat"]["cores_busy"]),
+    "ttft_s": lambda t: _g(t, "decode", "ttft_s"),
+    "ttft_repeat_s": lambda t: _g(t, "decode_repeat", "ttft_s"),
+    "decode_tok_s": lambda t: _pool(_g(t, "decode", "decode_tok_s"), _g(t, "decode_repeat", "decode_tok_s")),
+    "prefill_tok_s": lambda t: _g(t, "prefill", "prefill_tok_s"),
+    "cores_busy": lambda t: _pool(_g(t, "decode", "cores_busy"), _g(t, "decode_repeat", "cores_busy")),
     "peak_memory_bytes": lambda t: t.get("peak_memory"),
     "peak_rss_bytes": lambda t: t.get("peak_rss"),
-    "disk_read_per_request_bytes": lambda t: _pool(t["decode"]["read_bytes"], t["decode_repeat"]["read_bytes"]),
-    "baseline_rss_bytes": lambda t: sum(t["baseline_rss"].values()),
+    "disk_read_per_request_bytes": lambda t: _pool(_g(t, "decode", "read_bytes"), _g(t, "decode_repeat", "read_bytes")),
+    "baseline_rss_bytes": lambda t: sum(t["baseline_rss"].values()) if t.get("baseline_rss") else None,
     "start_s": lambda t: t.get("start_s"),
 }
+
+
+def _g(t: dict[str, Any], request: str, key: str) -> float | None:
+    """A figure of one request of a trial (None where the trial failed before it)."""
+    value = (t.get(request) or {}).get(key)
+    return None if value is None else float(value)
 
 
 def _pool(*xs: float | None) -> float | None:
@@ -38,9 +44,10 @@ def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {k: spread(get(t) for t in trials) for k, get in METRICS.items()}
     services: dict[str, list[int]] = {}
     for t in trials:
-        for name, b in t["baseline_rss"].items():
+        for name, b in (t.get("baseline_rss") or {}).items():
             services.setdefault(name, []).append(b)
     out["baseline_rss_by_process"] = {k: statistics.median(v) for k, v in services.items()}
+    out["failed"] = [f"round {t['round'] + 1}: {t['error']}" for t in trials if t.get("error")]
     return out
 
 
@@ -52,7 +59,8 @@ def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
 
 def text_check(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Did every system write the same greedy text (every round, both decode requests)?"""
-    texts = {label: [x for t in trials for x in t["texts"]] for label, trials in results.items()}
+    texts = {label: [x for t in trials for x in t.get("texts", [])] for label, trials in results.items()}
+    texts = {label: v for label, v in texts.items() if v}
     distinct = {x for v in texts.values() for x in v}
     out: dict[str, Any] = {"same_text": len(distinct) == 1}
     if len(distinct) > 1:
@@ -94,6 +102,8 @@ def table(block: dict[str, Any]) -> str:
                      f"{_fmt_spread(sm['cores_busy']):>11} "
                      f"{_fmt_spread(sm['peak_memory_bytes'] or sm['peak_rss_bytes'], 1e9):>14} "
                      f"{_fmt_spread(sm['disk_read_per_request_bytes'], 1e9, 3):>14}")
+        for failure in sm.get("failed", []):
+            lines.append(f"    FAILED {failure[:300]}")
         base = sm["baseline_rss_by_process"]
         if len(base) > 1 or label.startswith("moetier"):
             lines.append("  " + " " * 4 + "baseline RSS: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in base.items()))

@@ -27,9 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from moetier.bench.peers.client import Counters, Timed, complete
 from moetier.bench.peers.sandbox import Cgroup, ReadAhead, drop_page_cache
 from moetier.bench.peers.systems import MoetierInProcess, MoetierUp, System
+from moetier.errors import MoetierError
 
 Say = Callable[[str], None]
 
@@ -123,6 +126,12 @@ def trial(row: Row, block: Block, rnd: int, prompts: Prompts, work: Path, *, cpu
             if cg is not None:
                 out["memory_stat"] = {k: v for k, v in cg.memory_stat().items()
                                       if k in ("rss", "cache", "mapped_file", "hierarchical_memory_limit")}
+    except (MoetierError, httpx.HTTPError, OSError) as e:
+        # a system that cannot start or serve here (killed under the cap, say) is a result too
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["log_tail"] = _tail(system.work / "server.log")
+        say(f"  {row.label:<40} round {rnd + 1}: FAILED {out['error'][:400]}")
+        return out
     finally:
         system.stop()
         if cg is not None:
@@ -130,6 +139,13 @@ def trial(row: Row, block: Block, rnd: int, prompts: Prompts, work: Path, *, cpu
     say(f"  {row.label:<40} round {rnd + 1}: TTFT {out['decode']['ttft_s']:.2f} s, decode "
         f"{_fmt(out['decode']['decode_tok_s'])} tok/s, prefill {_fmt(out['prefill']['prefill_tok_s'])} tok/s")
     return out
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def _fmt(x: float | None) -> str:

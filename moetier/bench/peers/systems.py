@@ -143,8 +143,8 @@ class System:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if p is not None:  # anything of its tree still alive (a child that outlived it)
-            for pid in self.sandbox.pids():
+        if self.sandbox.cgroup is not None:  # anything of its tree still alive (a child that outlived it);
+            for pid in self.sandbox.pids():  # without a cgroup its children die with it (PR_SET_PDEATHSIG)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         if self._log is not None:
