@@ -119,6 +119,13 @@ class InferenceSection(_Section):
     expert_timeout_s: float = Field(30.0, gt=0, description="Deadline of each ComputeExperts call.")
 
 
+class KernelsSection(_Section):
+    backend: Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba"] = Field(
+        "auto", description="Kernel path of the dense worker, the expert store and the in-process engine: auto "
+        "(the best this CPU runs), or one by name, e.g. c-portable or c-avx2 (every path gives the same bits; a path "
+        "this CPU lacks is refused at start).")
+
+
 class Endpoint(_Section):
     """A gRPC service's addresses. Subclasses give per-service defaults, so overriding one field
     (e.g. MOETIER_ROUTER__BIND) keeps the others."""
@@ -172,6 +179,7 @@ class Settings(BaseSettings):
     storage: StorageSection = StorageSection()
     cache: CacheSection = CacheSection()
     inference: InferenceSection = InferenceSection()
+    kernels: KernelsSection = KernelsSection()
     gateway: GatewaySection = GatewaySection()
     router: RouterEndpoint = RouterEndpoint()
     dense_worker: WorkerEndpoint = WorkerEndpoint()
@@ -243,6 +251,16 @@ def _env_error(e: SettingsError) -> InvalidArgument:
     else:
         hint = "a list is given as JSON, e.g. '[\"/mnt/a\", \"/mnt/b\"]' or '[0.5, 0.5]'"
     return InvalidArgument(f"invalid settings: environment variable {name} is not valid JSON{why}; {hint}")
+
+
+def apply_kernel_settings(settings: Settings) -> None:
+    """Make `settings.kernels` this process's kernel default (main() calls it once)."""
+    from moetier.kernels import set_default_backend
+
+    try:
+        set_default_backend(settings.kernels.backend)
+    except ValueError as e:
+        raise InvalidArgument(f"kernels.backend: {e}") from None
 
 
 def load_settings(config: Path | None = None, overrides: dict[str, Any] | None = None,

@@ -1,5 +1,6 @@
 """FastOps against ReferenceOps (accuracy), against itself (bit-exact row invariance) and
-across its backends (C AVX-512, C portable, numba: the same bits)."""
+across its backends (every C path this CPU runs -- AVX-512, AVX2, NEON, portable -- and
+numba: the same bits)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from moetier.kernels import FastOps, c_available, warmup
+from moetier.kernels import FastOps, c_available, c_paths, warmup
 from moetier.kernels.fast import Backend
 from moetier.model.ops import ReferenceOps, combine_slots
 from moetier.weights.quant import ExpertWeights, QDType, QTensor, quantize
 
-BACKENDS = ["c", "c-portable", "numba"] if c_available() else ["numba"]
+BACKENDS = [name for name, runs in c_paths().items() if runs] + ["numba"]
 REF = ReferenceOps()
 DTYPES = ("f32", "bf16", "int8", "int4")
 
@@ -258,6 +259,74 @@ def test_backends_give_identical_bits() -> None:
             assert same_bits(got, outs[0]), (name, o.backend)
 
 
+@pytest.mark.skipif(not c_available(), reason="the C extension is not built")
+@pytest.mark.parametrize("path", [b for b in BACKENDS if b not in ("c-portable", "numba")] or ["none"])
+def test_every_simd_path_gives_the_portable_bits(path: str) -> None:
+    """Each SIMD path against the portable C path, bit for bit, on the shapes where the
+    paths differ most: every token count of the fused decode kernels (1-4) and of the
+    batched ones (5-13, 17), chunk tails (columns not a multiple of 16), groups that do
+    and do not split a chunk of 16, every dtype, bias or none; attention with head counts
+    and widths that leave partial tiles; softmax and rmsnorm lengths around 8 and 16."""
+    if path == "none":
+        pytest.skip("this CPU runs no SIMD path of the C kernels")
+    rng = np.random.default_rng(31)
+    simd, portable = FastOps(path, threads=2), FastOps("c-portable", threads=2)  # type: ignore[arg-type]
+    for dtype in DTYPES:
+        for rows, cols, g in ((1, 16, 16), (5, 33, 32), (9, 64, 64), (7, 100, 64), (13, 130, 32), (4, 47, 10),
+                              (6, 96, 48), (11, 200, 6), (3, 8, 8), (17, 2048, 64)):
+            w = quantize(rand(rng, rows, cols), dtype, g)  # type: ignore[arg-type]
+            bias = rand(rng, rows) if rows % 2 else None
+            for t in (*range(1, 14), 17):
+                x = rand(rng, t, cols)
+                assert same_bits(simd.linear(x, w, bias), portable.linear(x, w, bias)), (dtype, rows, cols, g, t)
+    for h, hkv, dq, dv, s in ((1, 1, 5, 3, 4), (4, 4, 16, 16, 9), (6, 2, 40, 24, 23), (16, 1, 72, 64, 40),
+                              (3, 3, 33, 130, 17), (8, 1, 576, 512, 5)):
+        for t in (1, 2, 5):
+            q, k, v = rand(rng, t, h, dq), rand(rng, s, hkv, dq), rand(rng, s, hkv, dv)
+            pos = rng.integers(0, s, t)
+            assert same_bits(simd.attention(q, k, v, pos, 0.3), portable.attention(q, k, v, pos, 0.3)), (h, dq, dv)
+    for n in (1, 7, 8, 9, 15, 16, 17, 31, 100, 2048):
+        x = rand(rng, 3, n) * 20
+        wt = rand(rng, n)
+        assert same_bits(simd.softmax(x), portable.softmax(x)), n
+        assert same_bits(simd.rmsnorm(x, wt, 1e-6), portable.rmsnorm(x, wt, 1e-6)), n
+    for dtype, g in (("int4", 64), ("int4", 10), ("int8", 32), ("bf16", 0)):
+        ex = experts_of(rng, 3, 72, 40, dtype, g or 64)
+        for t in (1, 2, 4, 5, 9):
+            x = rand(rng, t, 72)
+            ids = rng.integers(0, 3, (t, 2)).astype(np.int32)
+            wts = rng.random((t, 2), dtype=np.float32)
+            assert same_bits(simd.moe(x, ids, wts, ex), portable.moe(x, ids, wts, ex)), (dtype, t)
+
+
+def test_forcing_a_path_by_name() -> None:
+    """A path is chosen by name; one this build or CPU lacks is a clear error naming what exists."""
+    from moetier.kernels import c_best, set_default_backend
+
+    assert FastOps("numba").backend == "numba"
+    if not c_available():
+        with pytest.raises(ValueError, match="not built"):
+            FastOps("c-portable")
+        return
+    assert FastOps("c").backend == c_best() and FastOps("c-portable").backend == "c-portable"
+    lacking = [b for b, runs in c_paths().items() if not runs]
+    for b in lacking:
+        with pytest.raises(ValueError, match="this CPU lacks its instructions"):
+            FastOps(b)  # type: ignore[arg-type]
+    absent = [b for b in ("c-avx2", "c-avx512", "c-neon") if b not in c_paths()]
+    for b in absent:
+        with pytest.raises(ValueError, match="not in this build"):
+            FastOps(b)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown kernel backend 'c-sse'"):
+        set_default_backend("c-sse")  # type: ignore[arg-type]
+    try:
+        set_default_backend("c-portable")
+        assert FastOps().backend == "c-portable"
+    finally:
+        set_default_backend("auto")
+    assert FastOps().backend == c_best()
+
+
 # ---------------------------------------------------------------- bad inputs
 
 
@@ -296,7 +365,7 @@ def test_bad_inputs_raise_value_error_naming_shapes() -> None:
         ops.moe(x, np.full((3, 1), 7, np.int32), np.ones((3, 1), np.float32), ex)
     with pytest.raises(ValueError, match=r"x \[T, 12\]"):
         ops.moe(rand(rng, 3, 12), np.zeros((3, 1), np.int32), np.ones((3, 1), np.float32), ex)
-    with pytest.raises(ValueError, match="backend"):
+    with pytest.raises(ValueError, match="unknown kernel backend 'gpu'"):
         FastOps("gpu")  # type: ignore[arg-type]
 
 
@@ -406,13 +475,13 @@ def pool_stress(make_ops: Callable[[int], FastOps], callers_s: float, back_to_ba
 
 
 @pytest.mark.skipif(not c_available(), reason="the C extension is not built")
-@pytest.mark.parametrize("backend", ["c", "c-portable"])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "numba"])
 def test_pool_under_concurrent_callers_and_back_to_back_jobs_gives_the_same_bits(backend: Backend) -> None:
     pool_stress(lambda threads: FastOps(backend, threads=threads), callers_s=1.0, back_to_back_s=0.5)
 
 
 def test_pool_with_stalls_injected_between_its_steps_gives_the_same_bits(tmp_path: Path) -> None:
-    """The same stress on a build of _ckernels.c with MT_POOL_JITTER: every pool thread
+    """The same stress on a build of the C kernels with MT_POOL_JITTER: every pool thread
     stalls at random between the steps of the claim protocol (see pool_jitter), which
     turns rare interleavings -- a helper preempted between reading the count of chunks
     left and claiming one, or between finishing a chunk and counting it, while the caller
@@ -431,11 +500,11 @@ def test_pool_with_stalls_injected_between_its_steps_gives_the_same_bits(tmp_pat
     include = sysconfig.get_paths()["include"]
     if not sys.platform.startswith("linux") or not cc or not (Path(include) / "Python.h").exists():
         pytest.skip("builds the extension with cc on Linux: no compiler, Python headers or Linux here")
-    src = Path(fast.__file__).with_name("_ckernels.c")
+    srcs = sorted(str(p) for p in Path(fast.__file__).with_name("csrc").glob("*.c"))
     so = tmp_path / f"_ckernels{sysconfig.get_config_var('EXT_SUFFIX')}"
     # the contract's flags (pyproject.toml), at -O1 to build in about two seconds: same bits
     subprocess.run([cc, "-O1", "-std=gnu11", "-ffp-contract=off", "-fno-fast-math", "-pthread", "-shared", "-fPIC",
-                    "-DMT_POOL_JITTER", f"-I{include}", str(src), "-o", str(so)], check=True)
+                    "-DMT_POOL_JITTER", f"-I{include}", *srcs, "-o", str(so)], check=True)
     spec = importlib.util.spec_from_file_location("_ckernels", so)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
@@ -443,7 +512,8 @@ def test_pool_with_stalls_injected_between_its_steps_gives_the_same_bits(tmp_pat
 
     def make_ops(threads: int) -> FastOps:
         ops = FastOps("numba", threads=threads)
-        ops._k = fast._CBackend(mod, True, threads)  # the jittered build, same shapes and checks
+        best = next(i for i, (_, runs) in enumerate(mod.isas()) if runs)  # the best path this CPU runs
+        ops._k = fast._CBackend(mod, best, threads)  # the jittered build, same shapes and checks
         return ops
 
     pool_stress(make_ops, callers_s=0.5, back_to_back_s=1.5)
@@ -459,12 +529,12 @@ def test_the_contract_exp_is_the_same_everywhere_and_accurate() -> None:
     x = np.concatenate([np.linspace(-100, 100, 400_001, dtype=np.float32), np.array(special, np.float32),
                         np.random.default_rng(0).standard_normal(50_000).astype(np.float32) * 30])
     outs = []
-    for run in (lambda y: _ckernels.exp(x, x.size, y, 1), lambda y: _ckernels.exp(x, x.size, y, 0),
-                lambda y: _nbkernels.exp(x, y)):
+    runs = [i for i, (_, ok) in enumerate(_ckernels.isas()) if ok]  # every C path here, portable last
+    for run in [*(lambda y, i=i: _ckernels.exp(x, x.size, y, i) for i in runs), lambda y: _nbkernels.exp(x, y)]:
         y = np.empty_like(x)
         run(y)
         outs.append(y)
-    assert same_bits(outs[0], outs[1]) and same_bits(outs[0], outs[2])
+    assert all(same_bits(outs[0], o) for o in outs[1:])
     y = outs[0]
     with np.errstate(over="ignore"):
         true = np.exp(x.astype(np.float64))

@@ -27,6 +27,7 @@ import numpy as np
 
 from moetier.bench import models
 from moetier.kernels import FastOps, warmup
+from moetier.kernels.fast import BACKENDS
 from moetier.model.ops import ReferenceOps, silu
 from moetier.weights.layout import RecordLayout
 from moetier.weights.quant import ExpertWeights, QDType
@@ -42,7 +43,7 @@ def register(sub: Any) -> None:
     p.add_argument("--working-set-mb", type=int, default=1024, help="distinct expert bytes (default 1024)")
     p.add_argument("--rounds", type=int, default=5, help="measurement rounds (default 5)")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all CPUs)")
-    p.add_argument("--backend", default="auto", choices=["auto", "c", "c-portable", "numba"])
+    p.add_argument("--backend", default="auto", choices=list(BACKENDS), help="kernel path (default: the best this CPU runs)")
     p.add_argument("--ref-experts", type=int, default=12, help="experts per ReferenceOps round (default 12)")
     p.add_argument("--copy-mb", type=int, default=512, help="size of the bandwidth copy (default 512 MiB)")
     p.set_defaults(func=run)

@@ -72,7 +72,7 @@ from moetier.bench.io import _drop_page_cache, _fio_pass, find_fio
 from moetier.errors import InvalidArgument, Unavailable
 from moetier.kernels.fast import default_threads
 from moetier.model.ops import start_moe
-from moetier.settings import Settings, load_settings
+from moetier.settings import Settings, apply_kernel_settings, load_settings
 from moetier.store.stats import TierStats
 from moetier.store.tier import TierConfig
 
@@ -347,6 +347,7 @@ def prepare(args: argparse.Namespace, fio: str) -> Setup:
     if args.policy:
         overrides["cache"] = {"policy": args.policy}
     settings = load_settings(args.config, overrides=overrides)
+    apply_kernel_settings(settings)
     with Container.open(model) as c:
         config = tier_config(settings, c.expert_bytes)
         config.history_path = None  # both systems start without usage history

@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from moetier.settings import Settings, address_from_bind, load_settings, merge_flags
+from moetier.settings import Settings, address_from_bind, apply_kernel_settings, load_settings, merge_flags
 
 
 def build_settings(args: argparse.Namespace) -> Settings:
@@ -28,7 +28,9 @@ def build_settings(args: argparse.Namespace) -> Settings:
 def run(args: argparse.Namespace) -> int:
     from services.dense_worker.server import serve  # the service is loaded only by the command that runs it
 
-    asyncio.run(serve(build_settings(args)))
+    settings = build_settings(args)
+    apply_kernel_settings(settings)
+    asyncio.run(serve(settings))
     return 0
 
 

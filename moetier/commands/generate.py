@@ -16,7 +16,7 @@ from typing import Any
 
 from moetier.errors import InvalidArgument
 from moetier.model.sampling import SamplingParams
-from moetier.settings import load_settings
+from moetier.settings import apply_kernel_settings, load_settings
 
 
 def _prompt_ids(engine: Any, args: argparse.Namespace) -> list[int]:
@@ -40,6 +40,7 @@ def _run(args: argparse.Namespace) -> int:
     from moetier.text import IncrementalDetokenizer
 
     settings = load_settings(args.config)
+    apply_kernel_settings(settings)
     path = model_dir(settings, args.model)
     with Engine.open(path, budget=expert_cache_spec(settings, args.budget), threads=args.threads) as engine:
         ids = _prompt_ids(engine, args)

@@ -8,13 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from moetier.settings import load_settings
+from moetier.settings import apply_kernel_settings, load_settings
 
 
 def _run(args: argparse.Namespace) -> int:
     from moetier.engine import Engine, expert_cache_spec, model_dir, parse_ids
 
     settings = load_settings(args.config)
+    apply_kernel_settings(settings)
     path = model_dir(settings, args.model)
     ids = parse_ids(args.ids)
     with Engine.open(path, budget=expert_cache_spec(settings, args.budget), reference=args.reference,

@@ -1,11 +1,22 @@
 """The engine's fast, row-invariant kernels: `FastOps` (the `Ops` protocol) and `warmup()`.
 
-See moetier/kernels/fast.py for the API and moetier/kernels/_ckernels.c for the
+See moetier/kernels/fast.py for the API and moetier/kernels/csrc/mt.h for the
 arithmetic contract that makes them bit-for-bit row-invariant.
 """
 
 from __future__ import annotations
 
-from moetier.kernels.fast import FastOps, c_available, c_has_simd, c_problem, default_threads, warmup
+from moetier.kernels.fast import (
+    FastOps,
+    c_available,
+    c_best,
+    c_has_simd,
+    c_paths,
+    c_problem,
+    default_threads,
+    set_default_backend,
+    warmup,
+)
 
-__all__ = ["FastOps", "c_available", "c_has_simd", "c_problem", "default_threads", "warmup"]
+__all__ = ["FastOps", "c_available", "c_best", "c_has_simd", "c_paths", "c_problem", "default_threads",
+           "set_default_backend", "warmup"]

@@ -1,7 +1,7 @@
-"""numba fallback kernels: the arithmetic contract of _ckernels.c, operation for operation.
+"""numba fallback kernels: the arithmetic contract of the C kernels, operation for operation.
 
 Used when the C extension was not built (no compiler at install time). They follow the
-contract at the top of moetier/kernels/_ckernels.c exactly -- sixteen lane accumulators
+contract at the top of moetier/kernels/csrc/mt.h exactly -- sixteen lane accumulators
 updated with a true fused multiply-add (llvm.fma), the fixed pairwise tree, zero-filled
 tails -- so they produce the same bits as the C kernels, only slower.
 
@@ -65,7 +65,7 @@ def _f16(h: int) -> np.float32:
     return -v if h & 0x8000 else v
 
 
-# the contract's exponential (exp_generic in _ckernels.c), constant for constant
+# the contract's exponential (mt_exp in csrc/mt.h), constant for constant
 _LOG2E = np.float32(1.44269504088896341)
 _C1 = np.float32(0.693359375)
 _C2 = np.float32(-2.12194440e-4)

@@ -3,12 +3,15 @@
 Shapes: T = rows, C = input features, R = output features, H/Hkv = heads, S = cached
 positions, dq/dv = key/value width, K = top-k, D = hidden, I = expert intermediate.
 
-Two backends compute the same bits (tests check it):
-  * "c"     -- moetier/kernels/_ckernels.c, built by the package install; AVX-512 where
-               the CPU has it, portable C elsewhere (same bits again);
+Every backend computes the same bits (tests check it):
+  * "c-avx512", "c-avx2", "c-neon", "c-portable" -- the C kernels of moetier/kernels/csrc/,
+    built by the package install: one generic C implementation (portable) and one file
+    per instruction set, chosen at run time by what the CPU has;
   * "numba" -- moetier/kernels/_nbkernels.py, the fallback when the extension is absent.
+"auto" picks the process default (`set_default_backend`, from the `kernels.backend`
+setting), else the best C path this CPU runs, else numba; "c" is the best C path.
 The arithmetic contract that makes every kernel row-invariant, and every backend
-bit-identical, is written at the top of _ckernels.c.
+bit-identical, is written at the top of csrc/mt.h.
 
 This module validates inputs (ValueError naming the shapes), puts arrays in the layout
 the kernels take, and groups MoE rows by expert. Everything numeric happens in a kernel
@@ -33,10 +36,11 @@ from moetier.weights.quant import QDTYPES, ExpertWeights, QTensor
 log = logging.getLogger(__name__)
 
 F32 = npt.NDArray[np.float32]
-Backend = Literal["auto", "c", "c-portable", "numba"]
+Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba"]
+BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
 
-C_KERNELS_VERSION = 5  # MT_KERNELS_VERSION in _ckernels.c
+C_KERNELS_VERSION = 6  # MT_KERNELS_VERSION in csrc/mt.h
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
@@ -61,14 +65,61 @@ def c_problem() -> str:
     return _C_PROBLEM
 
 
-def c_simd_level() -> int:
-    """The C path this CPU runs: 0 portable, 1 AVX-512, 2 AVX-512 with VBMI (fused decode)."""
-    return 0 if _C is None else int(_C.has_simd())
+def c_paths() -> dict[str, bool]:
+    """Every C kernel path in this build, best first: {"c-avx2": True (this CPU runs it), ...}."""
+    return {} if _C is None else {f"c-{name}": bool(ok) for name, ok in _C.isas()}
+
+
+def c_best() -> str | None:
+    """The best C path this CPU runs ("c-avx2", ...), or None without the extension."""
+    return next((name for name, ok in c_paths().items() if ok), None)
 
 
 def c_has_simd() -> bool:
-    """True when the C extension runs its AVX-512 path on this CPU."""
-    return c_simd_level() > 0
+    """True when the C extension runs a SIMD path (anything but c-portable) on this CPU."""
+    return c_best() not in (None, "c-portable")
+
+
+_DEFAULT: Backend = "auto"
+
+
+def set_default_backend(backend: Backend) -> None:
+    """The backend `FastOps("auto")` means in this process (the `kernels.backend` setting,
+    applied once by each service's main()). Checked now: an unknown name, or a path this
+    CPU or build lacks, is a ValueError naming what exists."""
+    global _DEFAULT
+    if backend != "auto":
+        _resolve(backend)
+    _DEFAULT = backend
+
+
+def _resolve(backend: str) -> str:
+    """A backend request -> the concrete backend name, or ValueError saying why not."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        if _DEFAULT != "auto":
+            return _resolve(_DEFAULT)
+        best = c_best()
+        if best is None:
+            log.warning("%s; using the numba kernels (same bits, much slower)", _C_PROBLEM)
+            return "numba"
+        return best
+    if backend == "numba":
+        return backend
+    if _C is None:
+        raise ValueError(f"backend {backend!r}: {_C_PROBLEM}")
+    if backend == "c":
+        best = c_best()
+        assert best is not None
+        return best
+    paths = c_paths()
+    if backend not in paths:
+        raise ValueError(f"backend {backend!r} is not in this build (built: {', '.join(paths)})")
+    if not paths[backend]:
+        runs = [n for n, ok in paths.items() if ok]
+        raise ValueError(f"backend {backend!r}: this CPU lacks its instructions (it runs: {', '.join(runs)})")
+    return backend
 
 
 def default_threads() -> int:
@@ -137,28 +188,28 @@ def _check_expert(w: ExpertWeights, e: int, d: int) -> int:
 
 
 class _CBackend:
-    def __init__(self, mod: ModuleType, simd: bool, threads: int) -> None:
-        self.mod, self.simd, self.threads = mod, int(simd), threads
+    def __init__(self, mod: ModuleType, isa: int, threads: int) -> None:
+        self.mod, self.isa, self.threads = mod, isa, threads  # isa: the path's index in mod.isas()
 
     def linear(self, x: F32, w: QTensor, bias: F32 | None, out: F32) -> None:
         t, c = x.shape
-        self.mod.linear(x, t, c, out.shape[1], _raw(w), bias, out, self.simd, self.threads)
+        self.mod.linear(x, t, c, out.shape[1], _raw(w), bias, out, self.isa, self.threads)
 
     def ffn(self, x: F32, w: ExpertWeights, out: F32) -> None:
         t, d = x.shape
-        self.mod.ffn(x, t, d, w.gate.shape[0], _raw(w.gate), _raw(w.up), _raw(w.down), out, self.simd,
+        self.mod.ffn(x, t, d, w.gate.shape[0], _raw(w.gate), _raw(w.up), _raw(w.down), out, self.isa,
                      self.threads)
 
     def rmsnorm(self, x: F32, weight: F32, eps: float, out: F32) -> None:
-        self.mod.rmsnorm(x, x.shape[0], x.shape[1], weight, eps, out, self.simd)
+        self.mod.rmsnorm(x, x.shape[0], x.shape[1], weight, eps, out, self.isa)
 
     def softmax(self, x: F32, out: F32) -> None:
-        self.mod.softmax(x, x.shape[0], x.shape[1], out, self.simd)
+        self.mod.softmax(x, x.shape[0], x.shape[1], out, self.isa)
 
     def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float, out: F32) -> None:
         t, h, dq = q.shape
         s, hkv, dv = v.shape
-        self.mod.attention(q, k, v, q_pos, t, h, s, hkv, dq, dv, scale, out, self.simd, self.threads)
+        self.mod.attention(q, k, v, q_pos, t, h, s, hkv, dq, dv, scale, out, self.isa, self.threads)
 
 
 _NO_SCALES = np.zeros((1, 0), dtype=np.uint16)
@@ -213,8 +264,9 @@ class _NumbaBackend:
 class FastOps:
     """The `Ops` protocol on row-invariant kernels (see the module docstring).
 
-    backend: "auto" (C if built, else numba), "c" (AVX-512 when the CPU has it),
-    "c-portable" (the C kernels without SIMD; same bits, for tests), "numba".
+    backend: "auto" (the process default, else the best C path, else numba), "c" (the
+    best C path this CPU runs), one C path by name ("c-avx2", "c-avx512", "c-neon",
+    "c-portable": the same bits, for tests and benchmarks), "numba".
     threads: worker threads per call (default: the CPUs this process may run on).
     """
 
@@ -222,20 +274,13 @@ class FastOps:
         self.threads = threads if threads is not None else default_threads()
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if backend == "auto":
-            backend = "c" if _C is not None else "numba"
-            if _C is None:
-                log.warning("%s; using the numba kernels (same bits, much slower)", _C_PROBLEM)
-        if backend in ("c", "c-portable"):
-            if _C is None:
-                raise ValueError(f"backend {backend!r}: {_C_PROBLEM}")
-            self._k: _CBackend | _NumbaBackend = _CBackend(_C, backend == "c", self.threads)
-            self.backend = "c-avx512" if backend == "c" and c_has_simd() else "c-portable"
-        elif backend == "numba":
-            self._k = _NumbaBackend(self.threads)
-            self.backend = "numba"
+        self.backend = _resolve(backend)
+        if self.backend == "numba":
+            self._k: _CBackend | _NumbaBackend = _NumbaBackend(self.threads)
         else:
-            raise ValueError(f"unknown backend {backend!r}; expected auto, c, c-portable or numba")
+            assert _C is not None
+            index = [f"c-{name}" for name, _ in _C.isas()].index(self.backend)
+            self._k = _CBackend(_C, index, self.threads)
 
     def __repr__(self) -> str:
         return f"FastOps(backend={self.backend!r}, threads={self.threads})"

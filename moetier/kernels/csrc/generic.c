@@ -1,0 +1,165 @@
+/* The portable path: the contract (mt.h) written out in plain C, one lane at a time.
+ * It is the oracle the SIMD paths are tested against, and what runs on a CPU that has
+ * none of them. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "mt.h"
+
+/* Where the compiler supports it, the portable kernels are also built for x86-64 with
+ * AVX2 + FMA (chosen at load time): fmaf becomes one vfmadd either way, so both clones
+ * give the same bits; the AVX2 clone is just faster. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__linux__)
+#define MT_CLONES __attribute__((target_clones("default", "arch=x86-64-v3")))
+#else
+#define MT_CLONES
+#endif
+
+/* Dequantize row r into buf[0..cols): exactly the reference values. */
+MT_CLONES void mt_dequant_row_generic(const qmat *w, int64_t r, float *buf) {
+    const uint8_t *row = w->data + r * w->row_bytes;
+    const int64_t C = w->cols;
+    switch (w->dtype) {
+    case DT_F32:
+        memcpy(buf, row, (size_t)C * 4);
+        break;
+    case DT_BF16:
+        for (int64_t c = 0; c < C; c++) {
+            uint16_t b;
+            memcpy(&b, row + 2 * c, 2);
+            uint32_t bits = (uint32_t)b << 16;
+            memcpy(&buf[c], &bits, 4);
+        }
+        break;
+    case DT_INT8: {
+        const uint16_t *s = w->scales + r * w->ngroups;
+        for (int64_t c0 = 0; c0 < C; c0 += w->g) {
+            const float sc = mt_f16(s[c0 / w->g]);
+            const int64_t c1 = c0 + w->g < C ? c0 + w->g : C;
+            for (int64_t c = c0; c < c1; c++) buf[c] = (float)(int8_t)row[c] * sc;
+        }
+        break;
+    }
+    case DT_INT4: {
+        const uint16_t *s = w->scales + r * w->ngroups;
+        /* whole groups (g is even, so a group is whole bytes); the buffer holds Cp >= C */
+        const int64_t half = w->g / 2;
+        for (int64_t gi = 0; gi < w->ngroups; gi++) {
+            const float sc = mt_f16(s[gi]);
+            const uint8_t *q = row + gi * half;
+            float *o = buf + gi * w->g;
+            for (int64_t j = 0; j < half; j++) {
+                o[2 * j] = (float)((int)(q[j] & 15) - 8) * sc;
+                o[2 * j + 1] = (float)((int)(q[j] >> 4) - 8) * sc;
+            }
+        }
+        break;
+    }
+    }
+}
+
+static const float *row_values_generic(const qmat *w, int64_t r, float *buf) {
+    mt_dequant_row_generic(w, r, buf);
+    return buf;
+}
+
+float mt_hsum16(const float *a) {
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+
+MT_CLONES static void tile_generic(int tb, const float *const *xr, const float *const *wr, int64_t n,
+                                   float out[TBMAX][RB]) {
+    float acc[TBMAX][RB][16];
+    memset(acc, 0, sizeof(acc));
+    const int64_t nfull = n & ~(int64_t)15;
+    for (int64_t k = 0; k < nfull; k += 16)
+        for (int j = 0; j < tb; j++)
+            for (int i = 0; i < RB; i++) {
+                const float *x = xr[j] + k, *w = wr[i] + k;
+                float *a = acc[j][i];
+                for (int l = 0; l < 16; l++) a[l] = fmaf(w[l], x[l], a[l]);
+            }
+    if (nfull < n) { /* the tail chunk: columns >= n read as 0 */
+        for (int j = 0; j < tb; j++)
+            for (int i = 0; i < RB; i++)
+                for (int l = 0; l < 16; l++) {
+                    const int64_t c = nfull + l;
+                    acc[j][i][l] = fmaf(c < n ? wr[i][c] : 0.0f, c < n ? xr[j][c] : 0.0f, acc[j][i][l]);
+                }
+    }
+    for (int j = 0; j < tb; j++)
+        for (int i = 0; i < RB; i++) out[j][i] = mt_hsum16(acc[j][i]);
+}
+
+/* Rows [r0, r0 + RB) of every token from dequantized rows and a tile kernel: the buffer
+ * path every ISA can use (and the only one of the generic path). */
+void mt_linear_block_tiles(const linear_ctx *k, int64_t r0, float *buf,
+                           const float *(*row_values)(const qmat *, int64_t, float *), tile_fn tile) {
+    const qmat *w = k->w;
+    const int64_t R = w->rows, C = w->cols, T = k->T;
+    const int nr = (int)(R - r0 < RB ? R - r0 : RB);
+    const float *wr[RB];
+    for (int i = 0; i < RB; i++) /* rows past R repeat the last one (results unused) */
+        wr[i] = i < nr ? row_values(w, r0 + i, buf + i * k->blen) : wr[nr - 1];
+    for (int64_t t0 = 0; t0 < T; t0 += TBMAX) {
+        const int tb = (int)(T - t0 < TBMAX ? T - t0 : TBMAX);
+        const float *xr[TBMAX];
+        for (int j = 0; j < TBMAX; j++) xr[j] = k->x + (t0 + (j < tb ? j : 0)) * C;
+        float res[TBMAX][RB];
+        tile(tb, xr, wr, C, res);
+        for (int j = 0; j < tb; j++)
+            for (int i = 0; i < nr; i++)
+                k->y[(t0 + j) * R + r0 + i] = k->bias ? res[j][i] + k->bias[r0 + i] : res[j][i];
+    }
+}
+
+static void linear_block_generic(const linear_ctx *k, int64_t r0, float *buf) {
+    mt_linear_block_tiles(k, r0, buf, row_values_generic, tile_generic);
+}
+
+static float sum_generic(const float *a, int64_t n) {
+    float acc[16] = {0};
+    for (int64_t k = 0; k < n; k += 16)
+        for (int l = 0; l < 16; l++) acc[l] = acc[l] + (k + l < n ? a[k + l] : 0.0f);
+    return mt_hsum16(acc);
+}
+
+MT_CLONES static void exp_shift_generic(const float *x, float m, int64_t n, float *y) {
+    for (int64_t i = 0; i < n; i++) y[i] = mt_exp(x[i] - m);
+}
+
+MT_CLONES static void swiglu_generic(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float gv = g[i];
+        const float sl = gv / (1.0f + mt_exp(0.0f - gv));
+        g[i] = sl * u[i];
+    }
+}
+
+MT_CLONES static void pv_generic(int nh, const float *const *p, const float *v, int64_t vstride, int64_t s0,
+                                 int64_t s1, int64_t dv, float *const *acc) {
+    for (int64_t s = s0; s < s1; s++) {
+        const float *vr = v + s * vstride;
+        for (int h = 0; h < nh; h++) {
+            const float ps = p[h][s];
+            for (int64_t d = 0; d < dv; d++) acc[h][d] = fmaf(ps, vr[d], acc[h][d]);
+        }
+    }
+}
+
+static int supported_always(void) { return 1; }
+
+const mt_isa mt_isa_generic = {
+    .name = "portable",
+    .supported = supported_always,
+    .linear_block = linear_block_generic,
+    .tile = tile_generic,
+    .sum = sum_generic,
+    .exp_shift = exp_shift_generic,
+    .swiglu = swiglu_generic,
+    .pv = pv_generic,
+};

@@ -1,0 +1,295 @@
+/* Python bindings of the kernels (moetier.kernels._ckernels).
+ *
+ * The Python layer (moetier.kernels.fast) validates dtypes and shapes; here every buffer
+ * is checked against the byte length the kernel will touch, so a wrong call raises
+ * instead of reading or writing out of bounds. Every kernel takes the index of an ISA
+ * in isas() and refuses one this CPU does not support. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "mt.h"
+
+typedef struct {
+    Py_buffer views[16];
+    int n;
+} bufset;
+
+static void bufset_release(bufset *bs) {
+    for (int i = 0; i < bs->n; i++) PyBuffer_Release(&bs->views[i]);
+    bs->n = 0;
+}
+
+static void *get_buf(bufset *bs, PyObject *obj, int64_t need, int writable, const char *what) {
+    if (obj == Py_None) {
+        PyErr_Format(PyExc_ValueError, "%s is missing", what);
+        return NULL;
+    }
+    Py_buffer *v = &bs->views[bs->n];
+    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return NULL;
+    bs->n++;
+    if (v->len < need) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, the kernel needs %lld", what, v->len,
+                     (long long)need);
+        return NULL;
+    }
+    return v->buf;
+}
+
+static int parse_qmat(bufset *bs, PyObject *spec, int64_t rows, int64_t cols, qmat *w, const char *what) {
+    int dtype;
+    long long g;
+    PyObject *data, *scales;
+    if (!PyArg_ParseTuple(spec, "iOOL", &dtype, &data, &scales, &g)) return -1;
+    memset(w, 0, sizeof(*w));
+    w->dtype = dtype;
+    w->rows = rows;
+    w->cols = cols;
+    w->g = g;
+    if (dtype == DT_F32 || dtype == DT_BF16) {
+        w->row_bytes = cols * (dtype == DT_F32 ? 4 : 2);
+    } else if (dtype == DT_INT8 || dtype == DT_INT4) {
+        if (g <= 0 || (dtype == DT_INT4 && g % 2)) {
+            PyErr_Format(PyExc_ValueError, "%s: invalid group size %lld", what, g);
+            return -1;
+        }
+        w->ngroups = (cols + g - 1) / g;
+        w->row_bytes = dtype == DT_INT8 ? w->ngroups * g : w->ngroups * g / 2;
+        w->scales = get_buf(bs, scales, rows * w->ngroups * 2, 0, what);
+        if (!w->scales) return -1;
+    } else {
+        PyErr_Format(PyExc_ValueError, "%s: unknown dtype code %d", what, dtype);
+        return -1;
+    }
+    w->data = get_buf(bs, data, rows * w->row_bytes, 0, what);
+    return w->data ? 0 : -1;
+}
+
+static int n_isas(void) {
+    int n = 0;
+    while (mt_isas[n]) n++;
+    return n;
+}
+
+/* The ISA with index i of isas(), or NULL with ValueError set. */
+static const mt_isa *get_isa(int i) {
+    if (i < 0 || i >= n_isas()) {
+        PyErr_Format(PyExc_ValueError, "kernel path index %d outside isas() (0..%d)", i, n_isas() - 1);
+        return NULL;
+    }
+    if (!mt_isas[i]->supported()) {
+        PyErr_Format(PyExc_ValueError, "kernel path %s is not supported by this CPU", mt_isas[i]->name);
+        return NULL;
+    }
+    return mt_isas[i];
+}
+
+static PyObject *py_linear(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *wspec, *bo, *yo;
+    long long T, C, R;
+    int isa_i, nthreads;
+    if (!PyArg_ParseTuple(args, "OLLLOOOii", &xo, &T, &C, &R, &wspec, &bo, &yo, &isa_i, &nthreads))
+        return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    bufset bs = {.n = 0};
+    qmat w;
+    const float *x, *bias = NULL;
+    float *y;
+    int rc;
+    if (parse_qmat(&bs, wspec, R, C, &w, "w") < 0) goto fail;
+    if (!(x = get_buf(&bs, xo, T * C * 4, 0, "x"))) goto fail;
+    if (bo != Py_None && !(bias = get_buf(&bs, bo, R * 4, 0, "bias"))) goto fail;
+    if (!(y = get_buf(&bs, yo, T * R * 4, 1, "out"))) goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mt_linear(isa, nthreads, x, T, &w, bias, y);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+fail:
+    bufset_release(&bs);
+    return NULL;
+}
+
+static PyObject *py_ffn(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *gs, *us, *ds, *yo;
+    long long T, D, I;
+    int isa_i, nthreads;
+    if (!PyArg_ParseTuple(args, "OLLLOOOOii", &xo, &T, &D, &I, &gs, &us, &ds, &yo, &isa_i, &nthreads))
+        return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    bufset bs = {.n = 0};
+    qmat g, u, d;
+    const float *x;
+    float *y;
+    int rc;
+    if (parse_qmat(&bs, gs, I, D, &g, "gate") < 0 || parse_qmat(&bs, us, I, D, &u, "up") < 0 ||
+        parse_qmat(&bs, ds, D, I, &d, "down") < 0)
+        goto fail;
+    if (!(x = get_buf(&bs, xo, T * D * 4, 0, "x"))) goto fail;
+    if (!(y = get_buf(&bs, yo, T * D * 4, 1, "out"))) goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mt_ffn(isa, nthreads, x, T, &g, &u, &d, y);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+fail:
+    bufset_release(&bs);
+    return NULL;
+}
+
+static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *wo, *yo;
+    long long T, C;
+    float eps;
+    int isa_i;
+    if (!PyArg_ParseTuple(args, "OLLOfOi", &xo, &T, &C, &wo, &eps, &yo, &isa_i)) return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    bufset bs = {.n = 0};
+    const float *x, *wt;
+    float *y;
+    if (!(x = get_buf(&bs, xo, T * C * 4, 0, "x")) || !(wt = get_buf(&bs, wo, C * 4, 0, "weight")) ||
+        !(y = get_buf(&bs, yo, T * C * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    mt_rmsnorm(isa, x, T, C, wt, eps, y);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_softmax(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *yo;
+    long long T, N;
+    int isa_i;
+    if (!PyArg_ParseTuple(args, "OLLOi", &xo, &T, &N, &yo, &isa_i)) return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    bufset bs = {.n = 0};
+    const float *x;
+    float *y;
+    if (!(x = get_buf(&bs, xo, T * N * 4, 0, "x")) || !(y = get_buf(&bs, yo, T * N * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t t = 0; t < T; t++) mt_softmax_row(isa, x + t * N, N, y + t * N);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attention(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *qo, *ko, *vo, *po, *yo;
+    long long T, H, S, Hkv, dq, dv;
+    float scale;
+    int isa_i, nthreads;
+    if (!PyArg_ParseTuple(args, "OOOOLLLLLLfOii", &qo, &ko, &vo, &po, &T, &H, &S, &Hkv, &dq, &dv, &scale,
+                          &yo, &isa_i, &nthreads))
+        return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    bufset bs = {.n = 0};
+    const float *q, *k, *v;
+    const int64_t *qpos;
+    float *y;
+    int rc;
+    if (Hkv <= 0 || H % Hkv) {
+        PyErr_Format(PyExc_ValueError, "H=%lld is not a multiple of Hkv=%lld", H, Hkv);
+        return NULL;
+    }
+    if (!(q = get_buf(&bs, qo, T * H * dq * 4, 0, "q")) || !(k = get_buf(&bs, ko, S * Hkv * dq * 4, 0, "k")) ||
+        !(v = get_buf(&bs, vo, S * Hkv * dv * 4, 0, "v")) || !(qpos = get_buf(&bs, po, T * 8, 0, "q_pos")) ||
+        !(y = get_buf(&bs, yo, T * H * dv * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        if (qpos[t] < 0 || qpos[t] >= S) {
+            bufset_release(&bs);
+            PyErr_Format(PyExc_ValueError, "q_pos[%lld]=%lld outside the %lld cached positions", (long long)t,
+                         (long long)qpos[t], S);
+            return NULL;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = mt_attention(isa, nthreads, q, k, v, qpos, T, H, S, Hkv, dq, dv, scale, y);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_exp(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *yo;
+    long long N;
+    int isa_i;
+    if (!PyArg_ParseTuple(args, "OLOi", &xo, &N, &yo, &isa_i)) return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    bufset bs = {.n = 0};
+    const float *x;
+    float *y;
+    if (!(x = get_buf(&bs, xo, N * 4, 0, "x")) || !(y = get_buf(&bs, yo, N * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    isa->exp_shift(x, 0.0f, N, y);
+    bufset_release(&bs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_isas(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    const int n = n_isas();
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    for (int i = 0; i < n; i++) {
+        PyObject *t = Py_BuildValue("(sO)", mt_isas[i]->name, mt_isas[i]->supported() ? Py_True : Py_False);
+        if (!t) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"linear", py_linear, METH_VARARGS, "linear(x, T, C, R, (dtype, data, scales, g), bias, out, isa, threads)"},
+    {"ffn", py_ffn, METH_VARARGS, "ffn(x, T, D, I, gate, up, down, out, isa, threads)"},
+    {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, T, C, weight, eps, out, isa)"},
+    {"softmax", py_softmax, METH_VARARGS, "softmax(x, T, N, out, isa)"},
+    {"attention", py_attention, METH_VARARGS,
+     "attention(q, k, v, q_pos, T, H, S, Hkv, dq, dv, scale, out, isa, threads)"},
+    {"exp", py_exp, METH_VARARGS, "exp(x, N, out, isa): the contract's exponential, elementwise"},
+    {"isas", py_isas, METH_NOARGS,
+     "[(name, supported by this CPU)] of every kernel path in this build, best first; an ISA argument is an index "
+     "into it"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_ckernels",
+                                    "moetier C kernels (see moetier/kernels/fast.py)", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__ckernels(void) {
+    PyObject *m = PyModule_Create(&moddef);
+    if (m && PyModule_AddIntConstant(m, "VERSION", MT_KERNELS_VERSION) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,204 @@
+/* moetier fast kernels: shared declarations.
+ *
+ * THE ARITHMETIC CONTRACT (what makes every kernel row-invariant and every code path
+ * bit-identical -- the portable C path (generic.c), the AVX2+FMA path (x86_avx2.c), the
+ * AVX-512 path (x86_avx512.c), the NEON path (arm_neon.c) and the numba fallback in
+ * _nbkernels.py):
+ *
+ *   dot(a, b, n): sixteen lane accumulators acc[0..15] start at +0.0f. For every chunk
+ *     k = 0, 1, ... of sixteen columns, in increasing k, lane l does
+ *         acc[l] = fma(a[16k + l], b[16k + l], acc[l])
+ *     where columns >= n read as 0.0f (the last, partial chunk). Then the fixed tree
+ *         s8[i] = acc[i] + acc[i+8]   (i < 8)
+ *         s4[i] = s8[i] + s8[i+4]     (i < 4)
+ *         s2[i] = s4[i] + s4[i+2]     (i < 2)
+ *         dot   = s2[0] + s2[1].
+ *     The sequence of floating-point operations depends on n alone. fma is the single
+ *     rounding fused multiply-add (vfmadd / fmla / fmaf / llvm.fma), the same everywhere.
+ *     Sixteen lanes are one AVX-512 register, two AVX2 registers (lanes 0-7, 8-15) or
+ *     four NEON registers (0-3, 4-7, 8-11, 12-15): a lane is a lane on every path.
+ *   sum(a, n): the same with acc[l] = acc[l] + a[16k + l].
+ *   exp(x): the contract's own exponential (mt_exp below): Cody-Waite reduction by
+ *     ln 2, a degree-7 polynomial in fma, scaling by an exact power of two; x < -86.5
+ *     gives 0 (no subnormals), x > 88.75 gives inf, NaN stays NaN. Every step is one
+ *     IEEE operation, so the vector and the scalar versions agree bit for bit (libm's
+ *     expf would be scalar-only and would differ between libraries).
+ *
+ * Every reduction is one of those two, with n the length of the reduced dimension (C for
+ * linear, dq for attention scores, the row's own number of visible keys for the softmax
+ * denominator), or a maximum (exact in any order), or the attention output
+ * out[d] = fma(p[s], v[s][d], out[d]) for s = 0, 1, ..., q_pos in order, per element d.
+ * Every other operation is elementwise IEEE arithmetic.
+ * Blocking over output rows, tokens, heads or keys, threading, and the choice of code
+ * path only decide WHICH accumulator is computed WHEN, never the operations inside one
+ * accumulator. Hence row t's bits depend only on row t's inputs.
+ *
+ * Weights: a quantized weight is exactly q * scale (int8: q; int4: nibble - 8), the value
+ * moetier.weights.quant.dequantize produces; that product is exact in float32 (at most
+ * 8 + 11 significant bits), so a path may form it in any exact way (e.g. one fma of the
+ * nibble with scale and -8 * scale). Quantized weights stay quantized in memory: a path
+ * dequantizes a chunk in registers or a block of rows into a small per-thread buffer,
+ * never a whole matrix.
+ *
+ * Every file is compiled with -ffp-contract=off so the compiler never fuses a multiply
+ * and an add that the contract does not fuse, and without -ffast-math so nothing is
+ * reassociated or approximated.
+ */
+#ifndef MT_H
+#define MT_H
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
+ * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
+ * version (a stale in-place build after a pull) and says so. */
+#define MT_KERNELS_VERSION 6
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3 };
+#define RB 4    /* output rows per block */
+#define TBMAX 4 /* tokens per tile of the generic path; also the fused-decode limit */
+
+typedef struct {
+    int dtype;
+    const uint8_t *data;    /* row r starts at data + r * row_bytes */
+    int64_t row_bytes;
+    const uint16_t *scales; /* [rows, ngroups] float16 bits; NULL for f32 / bf16 */
+    int64_t ngroups;
+    int64_t rows, cols;     /* logical R, C */
+    int64_t g;              /* group size (0 for f32 / bf16) */
+} qmat;
+
+struct mt_isa;
+
+/* One linear call: y[t, r] = dot(x[t], w[r], C) (+ bias[r]). */
+typedef struct {
+    const struct mt_isa *isa;
+    const float *x;
+    int64_t T, blocks_per_chunk, blen;
+    const qmat *w;
+    const float *bias;
+    float *y;
+    atomic_int failed; /* a chunk could not allocate its buffer */
+} linear_ctx;
+
+/* out[j][i] = dot(xr[j], wr[i], n) for j < tb <= TBMAX, i < RB. */
+typedef void (*tile_fn)(int tb, const float *const *xr, const float *const *wr, int64_t n,
+                        float out[TBMAX][RB]);
+
+/* The kernels of one instruction set. Every function computes exactly what the generic
+ * one computes (the contract above); `linear_block` may use `buf`: RB * ctx->blen floats
+ * for dequantized rows, then MT_STATE_TOKENS * RB * 16 for accumulators kept between
+ * column blocks (see x86_avx2.c). */
+#define MT_STATE_TOKENS 96
+typedef struct mt_isa {
+    const char *name;
+    int (*supported)(void);
+    /* output rows [r0, r0 + RB) (clipped to R) of every token */
+    void (*linear_block)(const linear_ctx *k, int64_t r0, float *buf);
+    tile_fn tile;
+    float (*sum)(const float *a, int64_t n);
+    void (*exp_shift)(const float *x, float m, int64_t n, float *y); /* y = exp(x - m) */
+    void (*swiglu)(float *g, const float *u, int64_t n);             /* g = (g / (1 + exp(-g))) * u */
+    /* acc[h][d] = fma(p[h][s], v[s][d], acc[h][d]) for s in [s0, s1) increasing, h < nh <= 4 */
+    void (*pv)(int nh, const float *const *p, const float *v, int64_t vstride, int64_t s0, int64_t s1,
+               int64_t dv, float *const *acc);
+} mt_isa;
+
+extern const mt_isa mt_isa_generic;
+#if defined(__x86_64__)
+extern const mt_isa mt_isa_avx2;
+extern const mt_isa mt_isa_avx512;
+#endif
+#if defined(__aarch64__)
+extern const mt_isa mt_isa_neon;
+#endif
+
+/* Every ISA compiled into this build, best first (the generic one last), NULL-terminated. */
+extern const mt_isa *const mt_isas[];
+const mt_isa *mt_isa_by_name(const char *name); /* NULL: unknown here */
+const mt_isa *mt_isa_best(void);                /* the best one this CPU supports */
+
+/* ---------------------------------------------------------------- shared scalar helpers */
+
+static inline int64_t mt_round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+static inline float mt_f16(uint16_t h) {
+    /* exact: every float16 value is representable in float32 */
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 1023u, bits;
+    float v;
+    if (e == 0) { /* zero or subnormal: m * 2^-24, exact */
+        v = (float)m * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    bits = sign | (e == 31 ? 0x7f800000u : (e + 112u) << 23) | (m << 13);
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* exp coefficients (Cephes expf): ln 2 = EXP_C1 + EXP_C2, EXP_C1 exact in 9 bits */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_C1 0.693359375f
+#define EXP_C2 -2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+#define EXP_LO -86.5f /* below: 0 (the result would be subnormal soon after) */
+#define EXP_HI 88.75f /* above: inf */
+
+/* The contract's exp, one IEEE operation per step (fmaf is the single-rounding fma). */
+static inline float mt_exp(float x) {
+    if (x != x) return x;
+    if (x < EXP_LO) return 0.0f;
+    if (x > EXP_HI) return INFINITY;
+    const float n = rintf(x * EXP_LOG2E); /* nearest, ties to even: n in [-125, 128] */
+    float r = fmaf(-n, EXP_C1, x);
+    r = fmaf(-n, EXP_C2, r);
+    const float z = r * r;
+    float y = EXP_P0;
+    y = fmaf(y, r, EXP_P1);
+    y = fmaf(y, r, EXP_P2);
+    y = fmaf(y, r, EXP_P3);
+    y = fmaf(y, r, EXP_P4);
+    y = fmaf(y, r, EXP_P5);
+    y = fmaf(y, z, r);
+    y = y + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 126) << 23; /* 2^(n-1), normal */
+    float pw;
+    memcpy(&pw, &bits, 4);
+    return (y * pw) * 2.0f; /* two steps: 2^n itself overflows at n = 128 */
+}
+
+/* The generic pieces other paths fall back to (generic.c). */
+void mt_dequant_row_generic(const qmat *w, int64_t r, float *buf);
+void mt_linear_block_tiles(const linear_ctx *k, int64_t r0, float *buf,
+                           const float *(*row_values)(const qmat *, int64_t, float *), tile_fn tile);
+float mt_hsum16(const float *a);
+
+/* ---------------------------------------------------------------- the operations (ops.c) */
+
+void *mt_xalloc(size_t bytes);
+int64_t mt_rowbuf_len(const qmat *w);
+int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
+              float *y);
+int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
+           const qmat *down, float *y);
+void mt_rmsnorm(const mt_isa *isa, const float *x, int64_t T, int64_t C, const float *wt, float eps, float *y);
+void mt_softmax_row(const mt_isa *isa, const float *x, int64_t n, float *y);
+int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k, const float *v,
+                 const int64_t *qpos, int64_t T, int64_t H, int64_t S, int64_t Hkv, int64_t dq, int64_t dv,
+                 float scale, float *out);
+
+/* ---------------------------------------------------------------- the work pool (pool.c) */
+
+typedef void (*chunk_fn)(void *ctx, int64_t chunk);
+/* Run fn(ctx, c) for c in [0, nchunks) on up to nthreads threads (the caller included);
+ * returns when every chunk has finished, on whichever thread. */
+void mt_pool_run(int nthreads, int64_t nchunks, chunk_fn fn, void *ctx);
+
+#endif

@@ -1,0 +1,200 @@
+/* The operations, on any ISA's kernels: how work is split into chunks for the pool and
+ * how the pieces of one operation follow each other. Nothing here decides a bit: every
+ * floating-point operation happens inside an ISA's kernel (or is elementwise IEEE
+ * arithmetic written out here once for all of them). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "mt.h"
+
+const mt_isa *const mt_isas[] = {
+#if defined(__x86_64__)
+    &mt_isa_avx512,
+    &mt_isa_avx2,
+#endif
+#if defined(__aarch64__)
+    &mt_isa_neon,
+#endif
+    &mt_isa_generic,
+    NULL,
+};
+
+const mt_isa *mt_isa_by_name(const char *name) {
+    for (int i = 0; mt_isas[i]; i++)
+        if (strcmp(mt_isas[i]->name, name) == 0) return mt_isas[i];
+    return NULL;
+}
+
+const mt_isa *mt_isa_best(void) {
+    /* callers on several threads may race to fill it in: they store the same value */
+    static const mt_isa *_Atomic best = NULL;
+    const mt_isa *b = atomic_load_explicit(&best, memory_order_relaxed);
+    if (!b) {
+        for (int i = 0; mt_isas[i] && !b; i++)
+            if (mt_isas[i]->supported()) b = mt_isas[i];
+        atomic_store_explicit(&best, b, memory_order_relaxed);
+    }
+    return b;
+}
+
+void *mt_xalloc(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) return NULL;
+    return p;
+}
+
+int64_t mt_rowbuf_len(const qmat *w) {
+    int64_t n = mt_round16(w->cols);
+    int64_t cp = w->g ? w->ngroups * w->g : w->cols;
+    return (n > cp ? n : cp) + 16;
+}
+
+/* ---------------------------------------------------------------- linear */
+
+static void linear_chunk(void *ctx, int64_t chunk) {
+    linear_ctx *k = ctx;
+    const int64_t nb = (k->w->rows + RB - 1) / RB;
+    const int64_t b0 = chunk * k->blocks_per_chunk;
+    const int64_t b1 = b0 + k->blocks_per_chunk < nb ? b0 + k->blocks_per_chunk : nb;
+    float *buf = mt_xalloc((size_t)(RB * k->blen + MT_STATE_TOKENS * RB * 16) * 4);
+    if (!buf) {
+        atomic_store(&k->failed, 1);
+        return;
+    }
+    for (int64_t b = b0; b < b1; b++) k->isa->linear_block(k, b * RB, buf);
+    free(buf);
+}
+
+/* y[t, r] = dot(x[t], w[r], C) (+ bias[r]).  x [T, C], y [T, R]. Returns 0 or -1 (no memory). */
+int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
+              float *y) {
+    const int64_t nb = (w->rows + RB - 1) / RB;
+    /* about 32 KiB of weights per chunk: small enough to balance, big enough to amortise */
+    int64_t bpc = (32 << 10) / (RB * (w->row_bytes > 0 ? w->row_bytes : 1));
+    if (T > TBMAX) bpc = bpc * TBMAX / T; /* keep chunks near equal work at large T */
+    if (bpc < 1) bpc = 1;
+    linear_ctx k = {isa, x, T, bpc, mt_rowbuf_len(w), w, bias, y, 0};
+    mt_pool_run(nthreads, (nb + bpc - 1) / bpc, linear_chunk, &k);
+    return atomic_load(&k.failed) ? -1 : 0;
+}
+
+/* SwiGLU expert: y = down(silu(gate x) * up x). x [T, D], y [T, D]. */
+int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
+           const qmat *down, float *y) {
+    const int64_t I = gate->rows;
+    float *hg = mt_xalloc((size_t)(T * I) * 4), *hu = mt_xalloc((size_t)(T * I) * 4);
+    int rc = -1;
+    if (hg && hu && mt_linear(isa, nthreads, x, T, gate, NULL, hg) == 0 &&
+        mt_linear(isa, nthreads, x, T, up, NULL, hu) == 0) {
+        isa->swiglu(hg, hu, T * I); /* silu(g) * u as the reference writes it */
+        rc = mt_linear(isa, nthreads, hg, T, down, NULL, y);
+    }
+    free(hg);
+    free(hu);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- norms, softmax */
+
+void mt_rmsnorm(const mt_isa *isa, const float *x, int64_t T, int64_t C, const float *wt, float eps, float *y) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * C;
+        float res[TBMAX][RB];
+        const float *xs[TBMAX] = {xr, xr, xr, xr};
+        const float *ws[RB] = {xr, xr, xr, xr};
+        isa->tile(1, xs, ws, C, res); /* sum of squares = dot(x, x, C) */
+        const float var = res[0][0] / (float)C;
+        const float den = sqrtf(var + eps);
+        for (int64_t c = 0; c < C; c++) y[t * C + c] = xr[c] / den * wt[c];
+    }
+}
+
+void mt_softmax_row(const mt_isa *isa, const float *x, int64_t n, float *y) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m; /* max: exact in any order */
+    isa->exp_shift(x, m, n, y);
+    const float s = isa->sum(y, n);
+    for (int64_t i = 0; i < n; i++) y[i] = y[i] / s;
+}
+
+/* ---------------------------------------------------------------- attention */
+
+typedef struct {
+    const mt_isa *isa;
+    const float *q, *k, *v;
+    const int64_t *qpos;
+    int64_t H, S, Hkv, dq, dv, rep, hgroup, ngroups;
+    float scale;
+    float *out;
+    atomic_int failed;
+} attn_ctx;
+
+#define ATT_SB 128 /* keys per block of the P.V pass: the block of V stays in L2 across heads */
+
+/* One work item = (t, kv head, group of query heads of that kv head). Each key block is
+ * loaded once and used by every head of the group (the MLA decode case: up to 128 heads
+ * on one latent). How heads are grouped never changes a head's operations. */
+static void attention_item(void *ctx, int64_t it) {
+    attn_ctx *a = ctx;
+    const mt_isa *isa = a->isa;
+    const int64_t H = a->H, S = a->S, Hkv = a->Hkv, dq = a->dq, dv = a->dv, rep = a->rep;
+    const int64_t t = it / (Hkv * a->ngroups), kvh = (it / a->ngroups) % Hkv, hg = it % a->ngroups;
+    const int64_t h0 = kvh * rep + hg * a->hgroup;
+    const int64_t nh = rep - hg * a->hgroup < a->hgroup ? rep - hg * a->hgroup : a->hgroup;
+    const int64_t n = a->qpos[t] + 1; /* keys 0..q_pos[t] */
+    const int64_t stride = S + 16;
+    float *sc = mt_xalloc((size_t)(nh * stride) * 4);
+    if (!sc) {
+        atomic_store(&a->failed, 1);
+        return;
+    }
+    /* scores: (4 heads) x (4 keys) tiles of the dot contract, key block outermost */
+    for (int64_t s0 = 0; s0 < n; s0 += RB) {
+        const int ns = (int)(n - s0 < RB ? n - s0 : RB);
+        const float *kr[RB];
+        for (int i = 0; i < RB; i++) kr[i] = a->k + ((s0 + (i < ns ? i : 0)) * Hkv + kvh) * dq;
+        for (int64_t hb = 0; hb < nh; hb += 4) {
+            const int nb = (int)(nh - hb < 4 ? nh - hb : 4);
+            const float *qr[TBMAX];
+            for (int j = 0; j < TBMAX; j++) qr[j] = a->q + (t * H + h0 + hb + (j < nb ? j : 0)) * dq;
+            float res[TBMAX][RB];
+            isa->tile(nb, qr, kr, dq, res);
+            for (int j = 0; j < nb; j++)
+                for (int i = 0; i < ns; i++) sc[(hb + j) * stride + s0 + i] = res[j][i] * a->scale;
+        }
+    }
+    for (int64_t h = 0; h < nh; h++) mt_softmax_row(isa, sc + h * stride, n, sc + h * stride);
+    /* out = sum_s p[s] v[s], s increasing, in key blocks that every head block revisits */
+    for (int64_t h = 0; h < nh; h++) memset(a->out + (t * H + h0 + h) * dv, 0, (size_t)dv * 4);
+    for (int64_t s0 = 0; s0 < n; s0 += ATT_SB) {
+        const int64_t s1 = s0 + ATT_SB < n ? s0 + ATT_SB : n;
+        for (int64_t hb = 0; hb < nh; hb += 4) {
+            const int nb = (int)(nh - hb < 4 ? nh - hb : 4);
+            const float *p[4];
+            float *o[4];
+            for (int j = 0; j < 4; j++) {
+                const int64_t h = hb + (j < nb ? j : 0);
+                p[j] = sc + h * stride;
+                o[j] = a->out + (t * H + h0 + h) * dv;
+            }
+            isa->pv(nb, p, a->v + kvh * dv, Hkv * dv, s0, s1, dv, o);
+        }
+    }
+    free(sc);
+}
+
+/* Causal attention of T query rows of one sequence; the work items are independent. */
+int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k, const float *v,
+                 const int64_t *qpos, int64_t T, int64_t H, int64_t S, int64_t Hkv, int64_t dq, int64_t dv,
+                 float scale, float *out) {
+    const int64_t rep = H / Hkv;
+    /* split a kv head's query heads only as far as needed to give every thread work */
+    int64_t splits = 1;
+    while (T * Hkv * splits < nthreads && splits < (rep + 3) / 4) splits++;
+    int64_t hgroup = (rep + splits - 1) / splits;
+    hgroup = (hgroup + 3) / 4 * 4;
+    const int64_t ngroups = (rep + hgroup - 1) / hgroup;
+    attn_ctx a = {isa, q, k, v, qpos, H, S, Hkv, dq, dv, rep, hgroup, ngroups, scale, out, 0};
+    mt_pool_run(nthreads, T * Hkv * ngroups, attention_item, &a);
+    return atomic_load(&a.failed) ? -1 : 0;
+}

@@ -1,0 +1,627 @@
+/* The AVX2 + FMA path (x86-64-v3: AVX2, FMA, F16C). The same bits as generic.c: see the
+ * contract in mt.h. The contract's sixteen lanes are two ymm registers, lanes 0-7 and
+ * 8-15 of each chunk of sixteen columns; the horizontal tree adds them in the contract's
+ * order (i + 8, then i + 4, i + 2, i + 1).
+ *
+ * AVX2 has sixteen ymm registers, so a tile of (tokens x rows) accumulators -- two
+ * registers each -- is split into passes that fit: the micro-kernels below are written
+ * for a fixed NT tokens x NR rows and instantiated per shape, so every accumulator lives
+ * in a register. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "mt.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define MT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+
+#ifndef MT_AVX2_PREFETCH
+#define MT_AVX2_PREFETCH 512 /* bytes ahead in each weight row the decode kernel prefetches */
+#endif
+
+MT_AVX2 INLINE float hsum16(__m256 lo, __m256 hi) {
+    const __m256 s8 = _mm256_add_ps(lo, hi);                                                  /* i, i+8 */
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1)); /* i, i+4 */
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                 /* i, i+2 */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));                               /* 0, 1 */
+}
+
+/* lanes [0, n) of 8 set (n may be <= 0 or >= 8) */
+MT_AVX2 INLINE __m256i lane_mask(int64_t n) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int32_t m = (int32_t)(n < 0 ? 0 : n > 8 ? 8 : n);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(m), idx);
+}
+
+/* ---------------------------------------------------------------- f32 tiles */
+
+/* acc[j][i] over chunks of 16 of rows wr[i0 + i] and tokens xr[j0 + j]: NT x NR pairs. */
+#define TILE_MK(NT, NR)                                                                                    \
+    MT_AVX2 static void tile_mk_##NT##_##NR(const float *const *xr, const float *const *wr, int64_t n,       \
+                                            float out[TBMAX][RB], int j0, int i0) {                         \
+        __m256 a[NT][NR][2];                                                                               \
+        for (int j = 0; j < NT; j++)                                                                       \
+            for (int i = 0; i < NR; i++) a[j][i][0] = a[j][i][1] = _mm256_setzero_ps();                     \
+        const int64_t nfull = n & ~(int64_t)15;                                                            \
+        for (int64_t c = 0; c < nfull; c += 16) {                                                          \
+            __m256 w[NR][2];                                                                               \
+            for (int i = 0; i < NR; i++) {                                                                 \
+                w[i][0] = _mm256_loadu_ps(wr[i0 + i] + c);                                                 \
+                w[i][1] = _mm256_loadu_ps(wr[i0 + i] + c + 8);                                             \
+            }                                                                                              \
+            for (int j = 0; j < NT; j++) {                                                                 \
+                const __m256 x0 = _mm256_loadu_ps(xr[j0 + j] + c), x1 = _mm256_loadu_ps(xr[j0 + j] + c + 8); \
+                for (int i = 0; i < NR; i++) {                                                             \
+                    a[j][i][0] = _mm256_fmadd_ps(w[i][0], x0, a[j][i][0]);                                 \
+                    a[j][i][1] = _mm256_fmadd_ps(w[i][1], x1, a[j][i][1]);                                 \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        if (nfull < n) { /* the tail chunk: columns >= n read as 0 */                                     \
+            const __m256i m0 = lane_mask(n - nfull), m1 = lane_mask(n - nfull - 8);                        \
+            __m256 w[NR][2];                                                                               \
+            for (int i = 0; i < NR; i++) {                                                                 \
+                w[i][0] = _mm256_maskload_ps(wr[i0 + i] + nfull, m0);                                      \
+                w[i][1] = _mm256_maskload_ps(wr[i0 + i] + nfull + 8, m1);                                  \
+            }                                                                                              \
+            for (int j = 0; j < NT; j++) {                                                                 \
+                const __m256 x0 = _mm256_maskload_ps(xr[j0 + j] + nfull, m0);                              \
+                const __m256 x1 = _mm256_maskload_ps(xr[j0 + j] + nfull + 8, m1);                          \
+                for (int i = 0; i < NR; i++) {                                                             \
+                    a[j][i][0] = _mm256_fmadd_ps(w[i][0], x0, a[j][i][0]);                                 \
+                    a[j][i][1] = _mm256_fmadd_ps(w[i][1], x1, a[j][i][1]);                                 \
+                }                                                                                          \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int j = 0; j < NT; j++)                                                                       \
+            for (int i = 0; i < NR; i++) out[j0 + j][i0 + i] = hsum16(a[j][i][0], a[j][i][1]);             \
+    }
+TILE_MK(1, 4)
+TILE_MK(2, 2)
+TILE_MK(3, 2)
+TILE_MK(4, 1)
+
+MT_AVX2 static void tile_avx2(int tb, const float *const *xr, const float *const *wr, int64_t n,
+                              float out[TBMAX][RB]) {
+    switch (tb) {
+    case 1: tile_mk_1_4(xr, wr, n, out, 0, 0); break;
+    case 2: tile_mk_2_2(xr, wr, n, out, 0, 0); tile_mk_2_2(xr, wr, n, out, 0, 2); break;
+    case 3: tile_mk_3_2(xr, wr, n, out, 0, 0); tile_mk_3_2(xr, wr, n, out, 0, 2); break;
+    default:
+        for (int i = 0; i < RB; i++) tile_mk_4_1(xr, wr, n, out, 0, i);
+        break;
+    }
+}
+
+/* ---------------------------------------------------------------- batched: many tokens
+ * For T > TBMAX a block of RB rows is dequantized once, then multiplied with the tokens
+ * in blocks of BCOLS columns (so a group of tokens and the rows stay in L1) and tiles of
+ * BTOK tokens. Between column blocks each (token, row) keeps its sixteen lane
+ * accumulators in `st` -- the contract's accumulators, only stored for a while: each
+ * still sees its chunks in increasing order. */
+#define BCOLS 512
+#define BTOK MT_STATE_TOKENS
+
+/* NT tokens x 1 dequantized row over columns [c0, c1): twelve accumulators, the row in
+ * two registers, the tokens straight from memory. st: the first token's lanes for this
+ * row; the next token's are RB * 16 floats further. */
+#define BATCH_MK(NT)                                                                                       \
+    MT_AVX2 static void batch_mk_##NT(const float *xs, int64_t C, const float *wr, int64_t c0, int64_t c1, \
+                                      float *st) {                                                         \
+        __m256 a[NT][2];                                                                                   \
+        for (int j = 0; j < NT; j++) {                                                                     \
+            a[j][0] = _mm256_loadu_ps(st + j * RB * 16);                                                   \
+            a[j][1] = _mm256_loadu_ps(st + j * RB * 16 + 8);                                               \
+        }                                                                                                  \
+        const int64_t nfull = C & ~(int64_t)15, e = c1 < nfull ? c1 : nfull;                               \
+        for (int64_t c = c0; c < e; c += 16) {                                                             \
+            const __m256 w0 = _mm256_loadu_ps(wr + c), w1 = _mm256_loadu_ps(wr + c + 8);                   \
+            for (int j = 0; j < NT; j++) {                                                                 \
+                a[j][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs + j * C + c), a[j][0]);                   \
+                a[j][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs + j * C + c + 8), a[j][1]);               \
+            }                                                                                              \
+        }                                                                                                  \
+        if (c1 == C && nfull < C) { /* the tail chunk: columns >= C read as 0 */                          \
+            const __m256i m0 = lane_mask(C - nfull), m1 = lane_mask(C - nfull - 8);                        \
+            const __m256 w0 = _mm256_maskload_ps(wr + nfull, m0), w1 = _mm256_maskload_ps(wr + nfull + 8, m1); \
+            for (int j = 0; j < NT; j++) {                                                                 \
+                a[j][0] = _mm256_fmadd_ps(w0, _mm256_maskload_ps(xs + j * C + nfull, m0), a[j][0]);        \
+                a[j][1] = _mm256_fmadd_ps(w1, _mm256_maskload_ps(xs + j * C + nfull + 8, m1), a[j][1]);    \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int j = 0; j < NT; j++) {                                                                     \
+            _mm256_storeu_ps(st + j * RB * 16, a[j][0]);                                                   \
+            _mm256_storeu_ps(st + j * RB * 16 + 8, a[j][1]);                                               \
+        }                                                                                                  \
+    }
+BATCH_MK(1)
+BATCH_MK(2)
+BATCH_MK(3)
+BATCH_MK(4)
+BATCH_MK(5)
+BATCH_MK(6)
+
+/* Row values for the batched path: exactly mt_dequant_row_generic, vectorised (the same
+ * products (q - 8) * scale, q * scale; bf16 is a shift). */
+MT_AVX2 static const float *row_values_avx2(const qmat *w, int64_t r, float *buf) {
+    const uint8_t *row = w->data + r * w->row_bytes;
+    if (w->dtype == DT_F32) return (const float *)row; /* masked loads never read past the row */
+    if (w->dtype == DT_BF16) {
+        const int64_t C = w->cols, nfull = C & ~(int64_t)7;
+        for (int64_t c = 0; c < nfull; c += 8) {
+            const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * c)));
+            _mm256_storeu_ps(buf + c, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        }
+        for (int64_t c = nfull; c < C; c++) {
+            uint16_t b;
+            memcpy(&b, row + 2 * c, 2);
+            const uint32_t bits = (uint32_t)b << 16;
+            memcpy(&buf[c], &bits, 4);
+        }
+        return buf;
+    }
+    if (w->g % 16) { /* groups that split a chunk of 16: the plain loop */
+        mt_dequant_row_generic(w, r, buf);
+        return buf;
+    }
+    const uint16_t *s = w->scales + r * w->ngroups;
+    const __m256i eight = _mm256_set1_epi32(8), mk = _mm256_set1_epi32(15);
+    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    for (int64_t gi = 0; gi < w->ngroups; gi++) {
+        const __m256 sc = _mm256_set1_ps(_cvtsh_ss(s[gi]));
+        float *o = buf + gi * w->g;
+        if (w->dtype == DT_INT8) {
+            const int8_t *q = (const int8_t *)row + gi * w->g;
+            for (int64_t c = 0; c < w->g; c += 8) {
+                const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + c)));
+                _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_cvtepi32_ps(v), sc));
+            }
+        } else {
+            const uint8_t *q = row + gi * (w->g / 2);
+            for (int64_t c = 0; c < w->g; c += 8) {
+                int32_t word;
+                memcpy(&word, q + c / 2, 4);
+                const __m256i v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), sh), mk);
+                _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, eight)), sc));
+            }
+        }
+    }
+    return buf;
+}
+
+/* Rows [r0, r0 + nr) (values wr) of every token, T > TBMAX. st: BTOK * RB * 16 floats. */
+static void batch_rows(const linear_ctx *k, int64_t r0, int nr, const float *const *wr, float *st) {
+    const int64_t T = k->T, C = k->w->cols, R = k->w->rows;
+    for (int64_t tt = 0; tt < T; tt += BTOK) {
+        const int64_t nt = T - tt < BTOK ? T - tt : BTOK;
+        memset(st, 0, (size_t)(nt * RB * 16) * 4);
+        for (int64_t c0 = 0; c0 < C; c0 += BCOLS) {
+            const int64_t c1 = c0 + BCOLS < C ? c0 + BCOLS : C;
+            for (int i = 0; i < nr; i++) {
+                for (int64_t t0 = 0; t0 < nt; t0 += 6) {
+                    const float *xs = k->x + (tt + t0) * C;
+                    float *sp = st + (t0 * RB + i) * 16;
+                    switch (nt - t0 < 6 ? nt - t0 : 6) {
+                    case 6: batch_mk_6(xs, C, wr[i], c0, c1, sp); break;
+                    case 5: batch_mk_5(xs, C, wr[i], c0, c1, sp); break;
+                    case 4: batch_mk_4(xs, C, wr[i], c0, c1, sp); break;
+                    case 3: batch_mk_3(xs, C, wr[i], c0, c1, sp); break;
+                    case 2: batch_mk_2(xs, C, wr[i], c0, c1, sp); break;
+                    default: batch_mk_1(xs, C, wr[i], c0, c1, sp); break;
+                    }
+                }
+            }
+        }
+        for (int64_t t = 0; t < nt; t++)
+            for (int i = 0; i < nr; i++) {
+                const float v = mt_hsum16(st + (t * RB + i) * 16);
+                k->y[(tt + t) * R + r0 + i] = k->bias ? v + k->bias[r0 + i] : v;
+            }
+    }
+}
+
+/* ---------------------------------------------------------------- fused decode: few tokens
+ * For up to TBMAX tokens each chunk of sixteen columns of a weight row is dequantized in
+ * registers -- the exact values the buffer path stores -- and used at once. int4: the
+ * two 32-bit words of the chunk's 8 bytes are broadcast, shifted by 0, 4, ..., 28 and
+ * masked: lane l holds nibble l; the value (nibble - 8) * scale is one fma of the nibble
+ * with scale and -8 * scale (exact, see mt.h: both products and their sum are
+ * representable). */
+
+typedef struct {
+    __m256 sc, m8; /* scale, -8 * scale of the current group (int8: scale only) */
+} gscale;
+
+MT_AVX2 INLINE void chunk_w(const int dtype, const uint8_t *rp, int64_t c, gscale s, __m256 *w0, __m256 *w1) {
+    if (dtype == DT_F32) {
+        *w0 = _mm256_loadu_ps((const float *)rp + c);
+        *w1 = _mm256_loadu_ps((const float *)rp + c + 8);
+    } else if (dtype == DT_BF16) {
+        const __m256i h0 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)rp + c)));
+        const __m256i h1 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)rp + c + 8)));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(h0, 16));
+        *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(h1, 16));
+    } else if (dtype == DT_INT8) {
+        const __m256i q0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rp + c)));
+        const __m256i q1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rp + c + 8)));
+        *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(q0), s.sc);
+        *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(q1), s.sc);
+    } else {
+        /* nibble l to the top of lane l, then down: no mask constant */
+        const __m256i sh = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+        /* vbroadcastss from memory: a load, no shuffle */
+        const __m256i d0 = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)(rp + c / 2)));
+        const __m256i d1 = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(const void *)(rp + c / 2 + 4)));
+        const __m256i n0 = _mm256_srli_epi32(_mm256_sllv_epi32(d0, sh), 28);
+        const __m256i n1 = _mm256_srli_epi32(_mm256_sllv_epi32(d1, sh), 28);
+        *w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(n0), s.sc, s.m8);
+        *w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(n1), s.sc, s.m8);
+    }
+}
+
+MT_AVX2 INLINE gscale group_scale(const int dtype, const uint16_t *sp, int64_t gi) {
+    gscale s;
+    if (dtype == DT_INT8 || dtype == DT_INT4) {
+        const float v = _cvtsh_ss(sp[gi]);
+        s.sc = _mm256_set1_ps(v);
+        s.m8 = _mm256_set1_ps(-8.0f * v);
+    } else {
+        s.sc = s.m8 = _mm256_setzero_ps();
+    }
+    return s;
+}
+
+/* The fused kernels keep every accumulator in a named variable: with arrays of vectors
+ * the compiler stores them to the stack on every chunk, and those stores stall the loads
+ * of the next chunk. ACC(n) declares accumulator pair n (lanes 0-7, 8-15). */
+#define ACC(n) __m256 a##n##l = _mm256_setzero_ps(), a##n##h = _mm256_setzero_ps()
+#define FMA2(n, w0, w1, x0, x1)                                                                           \
+    do {                                                                                               \
+        a##n##l = _mm256_fmadd_ps((w0), (x0), a##n##l);                                                \
+        a##n##h = _mm256_fmadd_ps((w1), (x1), a##n##h);                                                \
+    } while (0)
+#define OUT(n) hsum16(a##n##l, a##n##h)
+
+/* Row rp's chunk at column c into (w0, w1); in the tail chunk (c = cfull < C) columns
+ * >= C read as 0. Quantized rows are stored to whole groups, so the chunk is there. */
+MT_AVX2 INLINE void chunk_tail(const int dtype, const uint8_t *rp, int64_t c, int64_t C, gscale s,
+                               __m256 *w0, __m256 *w1) {
+    const __m256i m0 = lane_mask(C - c), m1 = lane_mask(C - c - 8);
+    if (dtype == DT_F32) { /* the row ends at C: never load past it */
+        *w0 = _mm256_maskload_ps((const float *)rp + c, m0);
+        *w1 = _mm256_maskload_ps((const float *)rp + c + 8, m1);
+    } else if (dtype == DT_BF16) {
+        float tmp[16] = {0};
+        for (int64_t k = c; k < C; k++) {
+            uint16_t b;
+            memcpy(&b, rp + 2 * k, 2);
+            const uint32_t bits = (uint32_t)b << 16;
+            memcpy(&tmp[k - c], &bits, 4);
+        }
+        *w0 = _mm256_loadu_ps(tmp);
+        *w1 = _mm256_loadu_ps(tmp + 8);
+    } else {
+        chunk_w(dtype, rp, c, s, w0, w1);
+        *w0 = _mm256_and_ps(*w0, _mm256_castsi256_ps(m0));
+        *w1 = _mm256_and_ps(*w1, _mm256_castsi256_ps(m1));
+    }
+}
+
+MT_AVX2 INLINE void x_tail(const float *x, int64_t c, int64_t C, __m256 *x0, __m256 *x1) {
+    *x0 = _mm256_maskload_ps(x + c, lane_mask(C - c));
+    *x1 = _mm256_maskload_ps(x + c + 8, lane_mask(C - c - 8));
+}
+
+typedef struct {
+    const uint8_t *rp;
+    const uint16_t *sp;
+} wrow;
+
+MT_AVX2 INLINE wrow row_of(const qmat *w, int64_t r) {
+    wrow o = {w->data + r * w->row_bytes, w->scales ? w->scales + r * w->ngroups : NULL};
+    return o;
+}
+
+/* Columns per scale group, and bytes per column step of 16 columns' prefetch offset. */
+#define GROUP_STEP(dtype, w) ((dtype) == DT_INT8 || (dtype) == DT_INT4 ? (w)->g : (int64_t)1 << 40)
+MT_AVX2 INLINE void prefetch_row(const int dtype, const uint8_t *rp, int64_t c) {
+    const int64_t off = dtype == DT_F32 ? 4 * c : dtype == DT_BF16 ? 2 * c : dtype == DT_INT8 ? c : c / 2;
+    _mm_prefetch((const char *)rp + off + MT_AVX2_PREFETCH, _MM_HINT_T0);
+}
+
+/* 1 token x 4 rows: eight accumulator chains, enough to hide the fma latency. */
+MT_AVX2 INLINE void fused_1x4(const int dtype, const qmat *w, const int64_t *rows, const float *x, float *o) {
+    const int64_t C = w->cols, cfull = C & ~(int64_t)15, step = GROUP_STEP(dtype, w);
+    const wrow p0 = row_of(w, rows[0]), p1 = row_of(w, rows[1]), p2 = row_of(w, rows[2]), p3 = row_of(w, rows[3]);
+    gscale s0 = group_scale(dtype, p0.sp, 0), s1 = group_scale(dtype, p1.sp, 0);
+    gscale s2 = group_scale(dtype, p2.sp, 0), s3 = group_scale(dtype, p3.sp, 0);
+    ACC(0);
+    ACC(1);
+    ACC(2);
+    ACC(3);
+    int64_t next = step, gi = 0;
+    for (int64_t c = 0; c < cfull; c += 16) {
+        if (c == next) {
+            gi++;
+            next += step;
+            s0 = group_scale(dtype, p0.sp, gi);
+            s1 = group_scale(dtype, p1.sp, gi);
+            s2 = group_scale(dtype, p2.sp, gi);
+            s3 = group_scale(dtype, p3.sp, gi);
+        }
+        __m256 w0, w1;
+        chunk_w(dtype, p0.rp, c, s0, &w0, &w1);
+        FMA2(0, w0, w1, _mm256_loadu_ps(x + c), _mm256_loadu_ps(x + c + 8));
+        chunk_w(dtype, p1.rp, c, s1, &w0, &w1);
+        FMA2(1, w0, w1, _mm256_loadu_ps(x + c), _mm256_loadu_ps(x + c + 8));
+        chunk_w(dtype, p2.rp, c, s2, &w0, &w1);
+        FMA2(2, w0, w1, _mm256_loadu_ps(x + c), _mm256_loadu_ps(x + c + 8));
+        chunk_w(dtype, p3.rp, c, s3, &w0, &w1);
+        FMA2(3, w0, w1, _mm256_loadu_ps(x + c), _mm256_loadu_ps(x + c + 8));
+    }
+    if (cfull < C) {
+        const int64_t g = cfull / (step < C ? step : C);
+        __m256 x0, x1, w0, w1;
+        x_tail(x, cfull, C, &x0, &x1);
+        chunk_tail(dtype, p0.rp, cfull, C, group_scale(dtype, p0.sp, g), &w0, &w1);
+        FMA2(0, w0, w1, x0, x1);
+        chunk_tail(dtype, p1.rp, cfull, C, group_scale(dtype, p1.sp, g), &w0, &w1);
+        FMA2(1, w0, w1, x0, x1);
+        chunk_tail(dtype, p2.rp, cfull, C, group_scale(dtype, p2.sp, g), &w0, &w1);
+        FMA2(2, w0, w1, x0, x1);
+        chunk_tail(dtype, p3.rp, cfull, C, group_scale(dtype, p3.sp, g), &w0, &w1);
+        FMA2(3, w0, w1, x0, x1);
+    }
+    o[0] = OUT(0);
+    o[1] = OUT(1);
+    o[2] = OUT(2);
+    o[3] = OUT(3);
+}
+
+/* 2 tokens x 2 rows. */
+MT_AVX2 INLINE void fused_2x2(const int dtype, const qmat *w, int64_t r0, int64_t r1, const float *xa,
+                              const float *xb, float *oa, float *ob) {
+    const int64_t C = w->cols, cfull = C & ~(int64_t)15, step = GROUP_STEP(dtype, w);
+    const wrow p = row_of(w, r0), q = row_of(w, r1);
+    gscale sp = group_scale(dtype, p.sp, 0), sq = group_scale(dtype, q.sp, 0);
+    ACC(0);
+    ACC(1);
+    ACC(2);
+    ACC(3);
+    int64_t next = step, gi = 0;
+    for (int64_t c = 0; c < cfull; c += 16) {
+        if (c == next) {
+            gi++;
+            next += step;
+            sp = group_scale(dtype, p.sp, gi);
+            sq = group_scale(dtype, q.sp, gi);
+        }
+        if ((c & 63) == 0) {
+            prefetch_row(dtype, p.rp, c);
+            prefetch_row(dtype, q.rp, c);
+        }
+        __m256 w0, w1;
+        chunk_w(dtype, p.rp, c, sp, &w0, &w1);
+        FMA2(0, w0, w1, _mm256_loadu_ps(xa + c), _mm256_loadu_ps(xa + c + 8));
+        FMA2(1, w0, w1, _mm256_loadu_ps(xb + c), _mm256_loadu_ps(xb + c + 8));
+        chunk_w(dtype, q.rp, c, sq, &w0, &w1);
+        FMA2(2, w0, w1, _mm256_loadu_ps(xa + c), _mm256_loadu_ps(xa + c + 8));
+        FMA2(3, w0, w1, _mm256_loadu_ps(xb + c), _mm256_loadu_ps(xb + c + 8));
+    }
+    if (cfull < C) {
+        const int64_t g = cfull / (step < C ? step : C);
+        __m256 xa0, xa1, xb0, xb1, w0, w1;
+        x_tail(xa, cfull, C, &xa0, &xa1);
+        x_tail(xb, cfull, C, &xb0, &xb1);
+        chunk_tail(dtype, p.rp, cfull, C, group_scale(dtype, p.sp, g), &w0, &w1);
+        FMA2(0, w0, w1, xa0, xa1);
+        FMA2(1, w0, w1, xb0, xb1);
+        chunk_tail(dtype, q.rp, cfull, C, group_scale(dtype, q.sp, g), &w0, &w1);
+        FMA2(2, w0, w1, xa0, xa1);
+        FMA2(3, w0, w1, xb0, xb1);
+    }
+    oa[0] = OUT(0);
+    ob[0] = OUT(1);
+    oa[1] = OUT(2);
+    ob[1] = OUT(3);
+}
+
+/* NT (3 or 4) tokens x 1 row; for NT = 3 the fourth token pointer repeats the third and
+ * its accumulator is discarded. */
+MT_AVX2 INLINE void fused_4x1(const int dtype, const int nt, const qmat *w, int64_t r, const float *const *xr,
+                              float *out, int64_t ostride) {
+    const int64_t C = w->cols, cfull = C & ~(int64_t)15, step = GROUP_STEP(dtype, w);
+    const wrow p = row_of(w, r);
+    const float *x0 = xr[0], *x1 = xr[1], *x2 = xr[2], *x3 = xr[nt > 3 ? 3 : 2];
+    gscale sp = group_scale(dtype, p.sp, 0);
+    ACC(0);
+    ACC(1);
+    ACC(2);
+    ACC(3);
+    int64_t next = step, gi = 0;
+    for (int64_t c = 0; c < cfull; c += 16) {
+        if (c == next) {
+            gi++;
+            next += step;
+            sp = group_scale(dtype, p.sp, gi);
+        }
+        if ((c & 63) == 0) prefetch_row(dtype, p.rp, c);
+        __m256 w0, w1;
+        chunk_w(dtype, p.rp, c, sp, &w0, &w1);
+        FMA2(0, w0, w1, _mm256_loadu_ps(x0 + c), _mm256_loadu_ps(x0 + c + 8));
+        FMA2(1, w0, w1, _mm256_loadu_ps(x1 + c), _mm256_loadu_ps(x1 + c + 8));
+        FMA2(2, w0, w1, _mm256_loadu_ps(x2 + c), _mm256_loadu_ps(x2 + c + 8));
+        if (nt > 3) FMA2(3, w0, w1, _mm256_loadu_ps(x3 + c), _mm256_loadu_ps(x3 + c + 8));
+    }
+    if (cfull < C) {
+        const int64_t g = cfull / (step < C ? step : C);
+        __m256 w0, w1, t0, t1;
+        chunk_tail(dtype, p.rp, cfull, C, group_scale(dtype, p.sp, g), &w0, &w1);
+        x_tail(x0, cfull, C, &t0, &t1);
+        FMA2(0, w0, w1, t0, t1);
+        x_tail(x1, cfull, C, &t0, &t1);
+        FMA2(1, w0, w1, t0, t1);
+        x_tail(x2, cfull, C, &t0, &t1);
+        FMA2(2, w0, w1, t0, t1);
+        if (nt > 3) {
+            x_tail(x3, cfull, C, &t0, &t1);
+            FMA2(3, w0, w1, t0, t1);
+        }
+    }
+    out[0] = OUT(0);
+    out[ostride] = OUT(1);
+    out[2 * ostride] = OUT(2);
+    if (nt > 3) out[3 * ostride] = OUT(3);
+}
+
+/* res[j][i] for tb tokens x RB rows (rows: RB row indices, repeats past R). */
+#define FUSED_DT(DT)                                                                                       \
+    MT_AVX2 static void fused_##DT(int tb, const qmat *w, const int64_t *rows, const float *const *xr,     \
+                                   float res[TBMAX][RB]) {                                                 \
+        switch (tb) {                                                                                      \
+        case 1: fused_1x4(DT, w, rows, xr[0], &res[0][0]); break;                                          \
+        case 2:                                                                                            \
+            fused_2x2(DT, w, rows[0], rows[1], xr[0], xr[1], &res[0][0], &res[1][0]);                      \
+            fused_2x2(DT, w, rows[2], rows[3], xr[0], xr[1], &res[0][2], &res[1][2]);                      \
+            break;                                                                                         \
+        default:                                                                                           \
+            for (int i = 0; i < RB; i++) fused_4x1(DT, tb, w, rows[i], xr, &res[0][i], RB);                \
+            break;                                                                                         \
+        }                                                                                                  \
+    }
+FUSED_DT(DT_F32)
+FUSED_DT(DT_BF16)
+FUSED_DT(DT_INT8)
+FUSED_DT(DT_INT4)
+
+static void linear_block_avx2(const linear_ctx *k, int64_t r0, float *buf) {
+    const qmat *w = k->w;
+    const int64_t R = w->rows, C = w->cols, T = k->T;
+    const int nr = (int)(R - r0 < RB ? R - r0 : RB);
+    const int quant = w->dtype == DT_INT8 || w->dtype == DT_INT4;
+    if (T > TBMAX || (quant && w->g % 16)) {
+        if (T <= TBMAX) { /* groups that split a chunk: dequantized rows, then tiles */
+            mt_linear_block_tiles(k, r0, buf, row_values_avx2, tile_avx2);
+            return;
+        }
+        const float *wr[RB];
+        for (int i = 0; i < nr; i++) wr[i] = row_values_avx2(w, r0 + i, buf + i * k->blen);
+        batch_rows(k, r0, nr, wr, buf + RB * k->blen);
+        return;
+    }
+    int64_t rows[RB];
+    for (int i = 0; i < RB; i++) rows[i] = r0 + (i < nr ? i : nr - 1); /* past R: repeat (unused) */
+    const float *xr[TBMAX];
+    for (int j = 0; j < TBMAX; j++) xr[j] = k->x + (j < T ? j : 0) * C;
+    float res[TBMAX][RB];
+    switch (w->dtype) {
+    case DT_F32: fused_DT_F32((int)T, w, rows, xr, res); break;
+    case DT_BF16: fused_DT_BF16((int)T, w, rows, xr, res); break;
+    case DT_INT8: fused_DT_INT8((int)T, w, rows, xr, res); break;
+    default: fused_DT_INT4((int)T, w, rows, xr, res); break;
+    }
+    for (int j = 0; j < T; j++)
+        for (int i = 0; i < nr; i++) k->y[j * R + r0 + i] = k->bias ? res[j][i] + k->bias[r0 + i] : res[j][i];
+}
+
+/* ---------------------------------------------------------------- elementwise, sums, P.V */
+
+MT_AVX2 INLINE __m256 exp_avx2(__m256 x) {
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_C1), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_C2), r);
+    const __m256 z = _mm256_mul_ps(r, r);
+    __m256 y = _mm256_set1_ps(EXP_P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P5));
+    y = _mm256_fmadd_ps(y, z, r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    /* n outside [-125, 128] only where x is outside [EXP_LO, EXP_HI] (or NaN): replaced below */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+    __m256 res = _mm256_mul_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), _mm256_set1_ps(2.0f));
+    res = _mm256_blendv_ps(res, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ));
+    res = _mm256_blendv_ps(res, _mm256_set1_ps(INFINITY), _mm256_cmp_ps(x, _mm256_set1_ps(EXP_HI), _CMP_GT_OQ));
+    return _mm256_blendv_ps(res, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+MT_AVX2 static void exp_shift_avx2(const float *x, float m, int64_t n, float *y) {
+    const __m256 mv = _mm256_set1_ps(m);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+    if (i < n) {
+        const __m256i k = lane_mask(n - i);
+        _mm256_maskstore_ps(y + i, k, exp_avx2(_mm256_sub_ps(_mm256_maskload_ps(x + i, k), mv)));
+    }
+}
+
+MT_AVX2 static void swiglu_avx2(float *g, const float *u, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256i k = lane_mask(n - i);
+        const __m256 gv = _mm256_maskload_ps(g + i, k);
+        const __m256 sl = _mm256_div_ps(gv, _mm256_add_ps(one, exp_avx2(_mm256_sub_ps(zero, gv))));
+        _mm256_maskstore_ps(g + i, k, _mm256_mul_ps(sl, _mm256_maskload_ps(u + i, k)));
+    }
+}
+
+MT_AVX2 static float sum_avx2(const float *a, int64_t n) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    const int64_t nfull = n & ~(int64_t)15;
+    for (int64_t k = 0; k < nfull; k += 16) {
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(a + k));
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(a + k + 8));
+    }
+    if (nfull < n) {
+        lo = _mm256_add_ps(lo, _mm256_maskload_ps(a + nfull, lane_mask(n - nfull)));
+        hi = _mm256_add_ps(hi, _mm256_maskload_ps(a + nfull + 8, lane_mask(n - nfull - 8)));
+    }
+    return hsum16(lo, hi);
+}
+
+/* 4 heads x 3 registers of 8 values (24 d) per pass; s runs innermost, in order. */
+MT_AVX2 static void pv_avx2(int nh, const float *const *p, const float *v, int64_t vstride, int64_t s0,
+                            int64_t s1, int64_t dv, float *const *acc) {
+    for (int64_t d0 = 0; d0 < dv; d0 += 24) {
+        __m256i mk[3];
+        for (int c = 0; c < 3; c++) mk[c] = lane_mask(dv - d0 - 8 * c);
+        __m256 a[4][3];
+        for (int h = 0; h < 4; h++)
+            for (int c = 0; c < 3; c++)
+                a[h][c] = h < nh ? _mm256_maskload_ps(acc[h] + d0 + 8 * c, mk[c]) : _mm256_setzero_ps();
+        for (int64_t s = s0; s < s1; s++) {
+            const float *vr = v + s * vstride + d0;
+            __m256 vv[3];
+            for (int c = 0; c < 3; c++) vv[c] = _mm256_maskload_ps(vr + 8 * c, mk[c]);
+            for (int h = 0; h < nh; h++) {
+                const __m256 ps = _mm256_broadcast_ss(p[h] + s);
+                for (int c = 0; c < 3; c++) a[h][c] = _mm256_fmadd_ps(ps, vv[c], a[h][c]);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            for (int c = 0; c < 3; c++) _mm256_maskstore_ps(acc[h] + d0 + 8 * c, mk[c], a[h][c]);
+    }
+}
+
+static int cpu_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+const mt_isa mt_isa_avx2 = {
+    .name = "avx2",
+    .supported = cpu_avx2,
+    .linear_block = linear_block_avx2,
+    .tile = tile_avx2,
+    .sum = sum_avx2,
+    .exp_shift = exp_shift_avx2,
+    .swiglu = swiglu_avx2,
+    .pv = pv_avx2,
+};
+#endif

@@ -1,0 +1,380 @@
+/* The AVX-512 path (x86-64 with AVX-512 F/BW/VL/DQ, FMA, F16C; the fused decode kernel
+ * also needs VBMI). The same bits as generic.c: see the contract in mt.h. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "mt.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define MT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+
+
+MT_AVX512 static inline float hsum16_avx512(__m512 v) {
+    __m256 lo = _mm512_castps512_ps256(v);
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 s8 = _mm256_add_ps(lo, hi);                                                 /* i, i+8 */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1)); /* i, i+4 */
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                 /* i, i+2 */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));                          /* 0, 1 */
+}
+
+MT_AVX512 static inline __attribute__((always_inline)) void
+tile_avx512_tb(const int tb, const float *const *xr, const float *const *wr, int64_t n,
+               float out[TBMAX][RB]) {
+    __m512 acc[TBMAX][RB];
+    for (int j = 0; j < tb; j++)
+        for (int i = 0; i < RB; i++) acc[j][i] = _mm512_setzero_ps();
+    const int64_t nfull = n & ~(int64_t)15;
+    for (int64_t c = 0; c < nfull; c += 16) {
+        __m512 wv[RB];
+        for (int i = 0; i < RB; i++) wv[i] = _mm512_loadu_ps(wr[i] + c);
+        for (int j = 0; j < tb; j++) {
+            __m512 xv = _mm512_loadu_ps(xr[j] + c);
+            for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+        }
+    }
+    if (nfull < n) {
+        __mmask16 m = (__mmask16)((1u << (n - nfull)) - 1u);
+        __m512 wv[RB];
+        for (int i = 0; i < RB; i++) wv[i] = _mm512_maskz_loadu_ps(m, wr[i] + nfull);
+        for (int j = 0; j < tb; j++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, xr[j] + nfull);
+            for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+        }
+    }
+    for (int j = 0; j < tb; j++)
+        for (int i = 0; i < RB; i++) out[j][i] = hsum16_avx512(acc[j][i]);
+}
+
+MT_AVX512 static void tile_avx512(int tb, const float *const *xr, const float *const *wr, int64_t n,
+                                  float out[TBMAX][RB]) {
+    switch (tb) {
+    case 1: tile_avx512_tb(1, xr, wr, n, out); break;
+    case 2: tile_avx512_tb(2, xr, wr, n, out); break;
+    case 3: tile_avx512_tb(3, xr, wr, n, out); break;
+    default: tile_avx512_tb(4, xr, wr, n, out); break;
+    }
+}
+
+MT_AVX512 static inline __m512 exp_avx512(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C1), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C2), r);
+    const __m512 z = _mm512_mul_ps(r, r);
+    __m512 y = _mm512_set1_ps(EXP_P0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P5));
+    y = _mm512_fmadd_ps(y, z, r);
+    y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(126)), 23);
+    __m512 res = _mm512_mul_ps(_mm512_mul_ps(y, _mm512_castsi512_ps(e)), _mm512_set1_ps(2.0f));
+    res = _mm512_mask_mov_ps(res, _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ), _mm512_setzero_ps());
+    res = _mm512_mask_mov_ps(res, _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_HI), _CMP_GT_OQ),
+                             _mm512_set1_ps(INFINITY));
+    return _mm512_mask_mov_ps(res, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+/* y[i] = exp(x[i] - m) */
+MT_AVX512 static void exp_shift_avx512(const float *x, float m, int64_t n, float *y) {
+    const __m512 mv = _mm512_set1_ps(m);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(y + i, k, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
+    }
+}
+
+/* g[i] = (g / (1 + exp(-g))) * u[i] */
+MT_AVX512 static void swiglu_avx512(float *g, const float *u, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+        const __m512 sl = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(zero, gv))));
+        _mm512_mask_storeu_ps(g + i, k, _mm512_mul_ps(sl, _mm512_maskz_loadu_ps(k, u + i)));
+    }
+}
+
+MT_AVX512 static float sum_avx512(const float *a, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    const int64_t nfull = n & ~(int64_t)15;
+    for (int64_t k = 0; k < nfull; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(a + k));
+    if (nfull < n) {
+        __mmask16 m = (__mmask16)((1u << (n - nfull)) - 1u);
+        acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(m, a + nfull));
+    }
+    return hsum16_avx512(acc);
+}
+
+/* int4, group size a multiple of 32: 16 bytes -> 32 columns at a time. Nibble n maps
+ * through a 16-entry table (n - 8) * scale, i.e. exactly (float)q * scale. */
+MT_AVX512 static void dequant_int4_avx512(const qmat *w, int64_t r, float *buf) {
+    const uint8_t *row = w->data + r * w->row_bytes;
+    const uint16_t *s = w->scales + r * w->ngroups;
+    const __m512 nib = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    const int64_t bytes_per_group = w->g / 2;
+    for (int64_t gi = 0; gi < w->ngroups; gi++) {
+        const __m512 table = _mm512_mul_ps(nib, _mm512_set1_ps(mt_f16(s[gi])));
+        const uint8_t *q = row + gi * bytes_per_group;
+        float *o = buf + gi * w->g;
+        for (int64_t b = 0; b < bytes_per_group; b += 16) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(q + b));
+            __m128i lo = _mm_and_si128(v, lo4);
+            __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+            __m128i n0 = _mm_unpacklo_epi8(lo, hi); /* columns 0..15 of the 32 */
+            __m128i n1 = _mm_unpackhi_epi8(lo, hi); /* columns 16..31 */
+            _mm512_storeu_ps(o + 2 * b, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(n0), table));
+            _mm512_storeu_ps(o + 2 * b + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(n1), table));
+        }
+    }
+}
+
+/* int8, group size a multiple of 16. */
+MT_AVX512 static void dequant_int8_avx512(const qmat *w, int64_t r, float *buf) {
+    const int8_t *row = (const int8_t *)(w->data + r * w->row_bytes);
+    const uint16_t *s = w->scales + r * w->ngroups;
+    for (int64_t gi = 0; gi < w->ngroups; gi++) {
+        const __m512 sc = _mm512_set1_ps(mt_f16(s[gi]));
+        for (int64_t c = gi * w->g; c < (gi + 1) * w->g; c += 16) {
+            __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c)));
+            _mm512_storeu_ps(buf + c, _mm512_mul_ps(_mm512_cvtepi32_ps(q), sc));
+        }
+    }
+}
+
+MT_AVX512 static void dequant_bf16_avx512(const qmat *w, int64_t r, float *buf) {
+    const uint16_t *row = (const uint16_t *)(w->data + r * w->row_bytes);
+    const int64_t C = w->cols, nfull = C & ~(int64_t)15;
+    for (int64_t c = 0; c < nfull; c += 16) {
+        __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + c)));
+        _mm512_storeu_ps(buf + c, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+    }
+    for (int64_t c = nfull; c < C; c++) {
+        uint32_t bits = (uint32_t)row[c] << 16;
+        memcpy(&buf[c], &bits, 4);
+    }
+}
+
+MT_AVX512 static void pv_avx512(int nh, const float *const *p, const float *v, int64_t vstride,
+                                int64_t s0, int64_t s1, int64_t dv, float *const *acc) {
+    /* 4 heads x 4 chunks of 16 values in registers; s runs innermost, in order */
+    for (int64_t d0 = 0; d0 < dv; d0 += 64) {
+        int nc = (int)((dv - d0 + 15) / 16);
+        if (nc > 4) nc = 4;
+        __mmask16 mk[4];
+        for (int c = 0; c < 4; c++) {
+            int64_t left = dv - d0 - 16 * c;
+            mk[c] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+        }
+        __m512 a[4][4];
+        for (int h = 0; h < 4; h++)
+            for (int c = 0; c < 4; c++)
+                a[h][c] = h < nh ? _mm512_maskz_loadu_ps(mk[c], acc[h] + d0 + 16 * c) : _mm512_setzero_ps();
+        for (int64_t s = s0; s < s1; s++) {
+            const float *vr = v + s * vstride + d0;
+            __m512 vv[4];
+            for (int c = 0; c < 4; c++) vv[c] = _mm512_maskz_loadu_ps(mk[c], vr + 16 * c);
+            for (int h = 0; h < nh; h++) {
+                __m512 ps = _mm512_set1_ps(p[h][s]);
+                for (int c = 0; c < 4; c++) a[h][c] = _mm512_fmadd_ps(ps, vv[c], a[h][c]);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            for (int c = 0; c < nc; c++) _mm512_mask_storeu_ps(acc[h] + d0 + 16 * c, mk[c], a[h][c]);
+    }
+}
+
+/* Fused dequantize-and-dot for up to four tokens (the decode case): each 16-column chunk
+ * of the four weight rows is dequantized in registers -- exactly the values the buffer
+ * path stores -- and used at once, so no buffer round trip. Same accumulators, same
+ * operations in the same order as tile() over dequantized rows: same bits.
+ * int4 nibbles reach their lanes with one vpmultishiftqb (lane i's low byte = bits
+ * 4i..4i+7 of the 8 packed bytes; vpermps reads only the low 4 bits of each index) and
+ * become (n - 8) * scale with one vpermps through a 16-entry table. */
+#define MT_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c")))
+
+#ifndef MT_PREFETCH_BLOCKS
+#define MT_PREFETCH_BLOCKS 2 /* prefetch distance, in row blocks */
+#endif
+
+/* One 16-column chunk of row i at column c, dequantized in registers. `full` chunks are
+ * inside [0, C); the tail chunk is masked so columns >= C read as 0.0f (the contract). */
+MT_VBMI static inline __attribute__((always_inline)) __m512
+chunk_w(const int dtype, const uint8_t *rp, int64_t c, __m512 tab, __m512i ctrl, __mmask16 m, const int full) {
+    if (dtype == DT_F32) {
+        const float *p = (const float *)rp + c;
+        return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+    }
+    if (dtype == DT_BF16) {
+        const uint16_t *p = (const uint16_t *)rp + c;
+        __m256i h = full ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(m, p);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (dtype == DT_INT8) { /* g % 16 == 0: the stored (padded) row covers every chunk */
+        __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(rp + c))));
+        return full ? _mm512_mul_ps(q, tab) : _mm512_maskz_mul_ps(m, q, tab);
+    }
+    __m512i idx = _mm512_multishift_epi64_epi8(ctrl, _mm512_set1_epi64(*(const int64_t *)(rp + c / 2)));
+    return full ? _mm512_permutexvar_ps(idx, tab) : _mm512_maskz_permutexvar_ps(m, idx, tab);
+}
+
+MT_VBMI static inline __attribute__((always_inline)) void
+fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, const int64_t *rows,
+         float out[TBMAX][RB]) {
+    const int64_t C = w->cols, cfull = C & ~(int64_t)15;
+    const int quant = dtype == DT_INT8 || dtype == DT_INT4;
+    /* columns per step of the outer loop: one quantization group (one scale per row), or
+     * 64 columns for f32 / bf16; each step prefetches its bytes MT_PREFETCH_BLOCKS row
+     * blocks ahead. */
+    const int64_t step = quant ? w->g : 64;
+    const int64_t step_bytes = dtype == DT_F32 ? 4 * step : dtype == DT_BF16 ? 2 * step
+                             : dtype == DT_INT8 ? step : step / 2;
+    const int64_t pfd = MT_PREFETCH_BLOCKS * RB * w->row_bytes;
+    const uint8_t *rp[RB];
+    const uint16_t *sp[RB];
+    for (int i = 0; i < RB; i++) {
+        rp[i] = w->data + rows[i] * w->row_bytes;
+        sp[i] = quant ? w->scales + rows[i] * w->ngroups : NULL;
+    }
+    const __m512 nib = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i ctrl = _mm512_set_epi8(0, 0, 0, 60, 0, 0, 0, 56, 0, 0, 0, 52, 0, 0, 0, 48, 0, 0, 0, 44, 0, 0,
+                                         0, 40, 0, 0, 0, 36, 0, 0, 0, 32, 0, 0, 0, 28, 0, 0, 0, 24, 0, 0, 0, 20,
+                                         0, 0, 0, 16, 0, 0, 0, 12, 0, 0, 0, 8, 0, 0, 0, 4, 0, 0, 0, 0);
+    __m512 acc[TBMAX][RB], tab[RB];
+    for (int j = 0; j < tb; j++)
+        for (int i = 0; i < RB; i++) acc[j][i] = _mm512_setzero_ps();
+    for (int i = 0; i < RB; i++) tab[i] = _mm512_setzero_ps();
+    int64_t s0 = 0, k = 0;
+    for (; s0 < cfull; s0 += step, k++) {
+        for (int i = 0; i < RB; i++) {
+            _mm_prefetch((const char *)rp[i] + k * step_bytes + pfd, _MM_HINT_T0);
+            if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(mt_f16(sp[i][k])));
+            if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(mt_f16(sp[i][k]));
+        }
+        const int64_t s1 = s0 + step < cfull ? s0 + step : cfull;
+        for (int64_t c = s0; c < s1; c += 16) {
+            __m512 wv[RB];
+            for (int i = 0; i < RB; i++) wv[i] = chunk_w(dtype, rp[i], c, tab[i], ctrl, 0, 1);
+            for (int j = 0; j < tb; j++) {
+                __m512 xv = _mm512_loadu_ps(xr[j] + c);
+                for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+            }
+        }
+    }
+    if (cfull < C) { /* the tail chunk, in the group of column cfull */
+        const __mmask16 m = (__mmask16)((1u << (C - cfull)) - 1u);
+        for (int i = 0; i < RB; i++) {
+            if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(mt_f16(sp[i][cfull / step])));
+            if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(mt_f16(sp[i][cfull / step]));
+        }
+        __m512 wv[RB];
+        for (int i = 0; i < RB; i++) wv[i] = chunk_w(dtype, rp[i], cfull, tab[i], ctrl, m, 0);
+        for (int j = 0; j < tb; j++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, xr[j] + cfull);
+            for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+        }
+    }
+    for (int j = 0; j < tb; j++)
+        for (int i = 0; i < RB; i++) out[j][i] = hsum16_avx512(acc[j][i]);
+}
+
+#define FUSED_DT(DT)                                                                                   \
+    MT_VBMI static void fused_##DT(int tb, const float *const *xr, const qmat *w, const int64_t *rows,  \
+                                   float out[TBMAX][RB]) {                                             \
+        switch (tb) {                                                                                  \
+        case 1: fused_tb(DT, 1, xr, w, rows, out); break;                                              \
+        case 2: fused_tb(DT, 2, xr, w, rows, out); break;                                              \
+        case 3: fused_tb(DT, 3, xr, w, rows, out); break;                                              \
+        default: fused_tb(DT, 4, xr, w, rows, out); break;                                             \
+        }                                                                                              \
+    }
+FUSED_DT(DT_F32)
+FUSED_DT(DT_BF16)
+FUSED_DT(DT_INT8)
+FUSED_DT(DT_INT4)
+
+static void fused(int tb, const float *const *xr, const qmat *w, const int64_t *rows, float out[TBMAX][RB]) {
+    switch (w->dtype) {
+    case DT_F32: fused_DT_F32(tb, xr, w, rows, out); break;
+    case DT_BF16: fused_DT_BF16(tb, xr, w, rows, out); break;
+    case DT_INT8: fused_DT_INT8(tb, xr, w, rows, out); break;
+    default: fused_DT_INT4(tb, xr, w, rows, out); break;
+    }
+}
+
+static int cpu_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+static int cpu_vbmi(void) {
+    static atomic_int v = -1; /* racing first callers store the same value */
+    int x = atomic_load_explicit(&v, memory_order_relaxed);
+    if (x < 0) {
+        __builtin_cpu_init();
+        x = cpu_avx512() && __builtin_cpu_supports("avx512vbmi");
+        atomic_store_explicit(&v, x, memory_order_relaxed);
+    }
+    return x;
+}
+
+/* Row r's float values: the row itself (f32: masked loads never read past the row) or
+ * buf, filled with the exact dequantized values. */
+static const float *row_values_avx512(const qmat *w, int64_t r, float *buf) {
+    switch (w->dtype) {
+    case DT_F32: return (const float *)(w->data + r * w->row_bytes);
+    case DT_BF16: dequant_bf16_avx512(w, r, buf); return buf;
+    case DT_INT8:
+        if (w->g % 16 == 0) { dequant_int8_avx512(w, r, buf); return buf; }
+        break;
+    case DT_INT4:
+        if (w->g % 32 == 0) { dequant_int4_avx512(w, r, buf); return buf; }
+        break;
+    }
+    mt_dequant_row_generic(w, r, buf);
+    return buf;
+}
+
+/* The fused path covers every dtype whose chunks of 16 columns share one scale. */
+static int fused_ok(const qmat *w, int64_t T) {
+    if (T > TBMAX || !cpu_vbmi()) return 0;
+    return (w->dtype != DT_INT8 && w->dtype != DT_INT4) || w->g % 16 == 0;
+}
+
+static void linear_block_avx512(const linear_ctx *k, int64_t r0, float *buf) {
+    const qmat *w = k->w;
+    if (!fused_ok(w, k->T)) {
+        mt_linear_block_tiles(k, r0, buf, row_values_avx512, tile_avx512);
+        return;
+    }
+    const int64_t R = w->rows, C = w->cols, T = k->T;
+    const int nr = (int)(R - r0 < RB ? R - r0 : RB);
+    int64_t rows[RB];
+    for (int i = 0; i < RB; i++) rows[i] = r0 + (i < nr ? i : nr - 1); /* past R: repeat (unused) */
+    const float *xr[TBMAX];
+    for (int j = 0; j < TBMAX; j++) xr[j] = k->x + (j < T ? j : 0) * C;
+    float res[TBMAX][RB];
+    fused((int)T, xr, w, rows, res);
+    for (int j = 0; j < T; j++)
+        for (int i = 0; i < nr; i++) k->y[j * R + r0 + i] = k->bias ? res[j][i] + k->bias[r0 + i] : res[j][i];
+}
+
+const mt_isa mt_isa_avx512 = {
+    .name = "avx512",
+    .supported = cpu_avx512,
+    .linear_block = linear_block_avx512,
+    .tile = tile_avx512,
+    .sum = sum_avx512,
+    .exp_shift = exp_shift_avx512,
+    .swiglu = swiglu_avx512,
+    .pv = pv_avx512,
+};
+#endif
