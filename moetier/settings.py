@@ -124,6 +124,9 @@ class KernelsSection(_Section):
         "auto", description="Kernel path of the dense worker, the expert store and the in-process engine: auto "
         "(the best this CPU runs), or one by name, e.g. c-portable or c-avx2 (every path gives the same bits; a path "
         "this CPU lacks is refused at start).")
+    activations: Literal["exact", "int8"] = Field(
+        "exact", description="exact (default), or int8: LOSSY, every int8/int4 linear rounds its inputs to int8 per "
+        "block of 32 and multiplies in integers (faster prefill; `moetier bench activations` measures the error).")
 
 
 class Endpoint(_Section):
@@ -255,12 +258,13 @@ def _env_error(e: SettingsError) -> InvalidArgument:
 
 def apply_kernel_settings(settings: Settings) -> None:
     """Make `settings.kernels` this process's kernel default (main() calls it once)."""
-    from moetier.kernels import set_default_backend
+    from moetier.kernels import set_default_activations, set_default_backend
 
     try:
         set_default_backend(settings.kernels.backend)
     except ValueError as e:
         raise InvalidArgument(f"kernels.backend: {e}") from None
+    set_default_activations(settings.kernels.activations)
 
 
 def load_settings(config: Path | None = None, overrides: dict[str, Any] | None = None,

@@ -299,6 +299,43 @@ def test_every_simd_path_gives_the_portable_bits(path: str) -> None:
             assert same_bits(simd.moe(x, ids, wts, ex), portable.moe(x, ids, wts, ex)), (dtype, t)
 
 
+@pytest.mark.skipif(not c_available(), reason="the C extension is not built")
+def test_int8_activations_same_bits_on_every_path_and_close_to_exact() -> None:
+    """The int8-activation contract (lossy, opt-in): every C path gives the portable path's
+    bits; the result stays within a few per cent of the exact kernels on random data
+    (activations rounded to int8 per block of 32: about 0.4% error per value, averaging
+    down over a row); weights outside the contract (bf16, groups not a multiple of 32)
+    run the exact kernels."""
+    rng = np.random.default_rng(41)
+    paths = [b for b in BACKENDS if b != "numba"]
+    exact = FastOps("c-portable", threads=2)
+    for dtype, g in (("int4", 64), ("int4", 32), ("int8", 64), ("int8", 128)):
+        for rows, cols in ((9, 64), (13, 100), (17, 2048), (8, 33)):
+            w = quantize(rand(rng, rows, cols), dtype, g)  # type: ignore[arg-type]
+            bias = rand(rng, rows)
+            for t in (1, 2, 4, 5, 9, 17):
+                x = rand(rng, t, cols)
+                outs = [FastOps(p, threads=2, activations="int8").linear(x, w, bias) for p in paths]  # type: ignore[arg-type]
+                assert all(same_bits(o, outs[0]) for o in outs[1:]), (dtype, g, rows, cols, t)
+                want = exact.linear(x, w, bias)
+                assert not same_bits(outs[0], want)  # it is another computation
+                close(want, outs[0], rtol=0.03)
+    w = quantize(rand(rng, 5, 40), "int4", 10)  # g % 32 != 0: exact
+    x = rand(rng, 3, 40)
+    assert same_bits(FastOps("c", activations="int8").linear(x, w), exact.linear(x, w))
+    ex = experts_of(rng, 3, 96, 64, "int4", 32)
+    x = rand(rng, 6, 96)
+    ids = rng.integers(0, 3, (6, 2)).astype(np.int32)
+    wts = rng.random((6, 2), dtype=np.float32)
+    outs = [FastOps(p, threads=2, activations="int8").moe(x, ids, wts, ex) for p in paths]  # type: ignore[arg-type]
+    assert all(same_bits(o, outs[0]) for o in outs[1:])
+    close(exact.moe(x, ids, wts, ex), outs[0], rtol=0.05)
+    with pytest.raises(ValueError, match="numba backend computes exact only"):
+        FastOps("numba", activations="int8")
+    with pytest.raises(ValueError, match="unknown activations"):
+        FastOps("c", activations="fp8")  # type: ignore[arg-type]
+
+
 def test_forcing_a_path_by_name() -> None:
     """A path is chosen by name; one this build or CPU lacks is a clear error naming what exists."""
     from moetier.kernels import c_best, set_default_backend

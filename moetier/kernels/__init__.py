@@ -14,9 +14,10 @@ from moetier.kernels.fast import (
     c_paths,
     c_problem,
     default_threads,
+    set_default_activations,
     set_default_backend,
     warmup,
 )
 
 __all__ = ["FastOps", "c_available", "c_best", "c_has_simd", "c_paths", "c_problem", "default_threads",
-           "set_default_backend", "warmup"]
+           "set_default_activations", "set_default_backend", "warmup"]

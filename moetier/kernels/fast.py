@@ -81,6 +81,8 @@ def c_has_simd() -> bool:
 
 
 _DEFAULT: Backend = "auto"
+Activations = Literal["exact", "int8"]
+_DEFAULT_ACTIVATIONS: Activations = "exact"
 
 
 def set_default_backend(backend: Backend) -> None:
@@ -91,6 +93,18 @@ def set_default_backend(backend: Backend) -> None:
     if backend != "auto":
         _resolve(backend)
     _DEFAULT = backend
+
+
+def set_default_activations(activations: Activations) -> None:
+    """What `FastOps(activations=None)` means in this process (the `kernels.activations`
+    setting). "int8" is lossy (see the int8-activation contract in csrc/mt.h) and logged."""
+    global _DEFAULT_ACTIVATIONS
+    if activations not in ("exact", "int8"):
+        raise ValueError(f"unknown activations {activations!r}; expected exact or int8")
+    if activations == "int8":
+        log.warning("kernels: int8 activations (LOSSY: activations rounded to int8 per block of 32 in every "
+                    "int8/int4 linear; outputs differ from the exact kernels)")
+    _DEFAULT_ACTIVATIONS = activations
 
 
 def _resolve(backend: str) -> str:
@@ -188,17 +202,18 @@ def _check_expert(w: ExpertWeights, e: int, d: int) -> int:
 
 
 class _CBackend:
-    def __init__(self, mod: ModuleType, isa: int, threads: int) -> None:
+    def __init__(self, mod: ModuleType, isa: int, threads: int, int8: bool = False) -> None:
         self.mod, self.isa, self.threads = mod, isa, threads  # isa: the path's index in mod.isas()
+        self.int8 = int8  # the int8-activation contract (lossy)
 
     def linear(self, x: F32, w: QTensor, bias: F32 | None, out: F32) -> None:
         t, c = x.shape
-        self.mod.linear(x, t, c, out.shape[1], _raw(w), bias, out, self.isa, self.threads)
+        self.mod.linear(x, t, c, out.shape[1], _raw(w), bias, out, self.isa, self.threads, self.int8)
 
     def ffn(self, x: F32, w: ExpertWeights, out: F32) -> None:
         t, d = x.shape
         self.mod.ffn(x, t, d, w.gate.shape[0], _raw(w.gate), _raw(w.up), _raw(w.down), out, self.isa,
-                     self.threads)
+                     self.threads, self.int8)
 
     def rmsnorm(self, x: F32, weight: F32, eps: float, out: F32) -> None:
         self.mod.rmsnorm(x, x.shape[0], x.shape[1], weight, eps, out, self.isa)
@@ -268,22 +283,31 @@ class FastOps:
     best C path this CPU runs), one C path by name ("c-avx2", "c-avx512", "c-neon",
     "c-portable": the same bits, for tests and benchmarks), "numba".
     threads: worker threads per call (default: the CPUs this process may run on).
+    activations: "exact" (the contract; default) or "int8" (lossy: int8 and int4 linears
+    quantize their inputs per block of 32 and multiply in integers, see the int8-activation
+    contract in csrc/mt.h; C kernels only); None: the process default.
     """
 
-    def __init__(self, backend: Backend = "auto", threads: int | None = None) -> None:
+    def __init__(self, backend: Backend = "auto", threads: int | None = None,
+                 activations: Activations | None = None) -> None:
         self.threads = threads if threads is not None else default_threads()
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self.backend = _resolve(backend)
+        self.activations: Activations = activations or _DEFAULT_ACTIVATIONS
+        if self.activations not in ("exact", "int8"):
+            raise ValueError(f"unknown activations {self.activations!r}; expected exact or int8")
         if self.backend == "numba":
+            if self.activations != "exact":
+                raise ValueError("int8 activations need the C kernels; the numba backend computes exact only")
             self._k: _CBackend | _NumbaBackend = _NumbaBackend(self.threads)
         else:
             assert _C is not None
             index = [f"c-{name}" for name, _ in _C.isas()].index(self.backend)
-            self._k = _CBackend(_C, index, self.threads)
+            self._k = _CBackend(_C, index, self.threads, self.activations == "int8")
 
     def __repr__(self) -> str:
-        return f"FastOps(backend={self.backend!r}, threads={self.threads})"
+        return f"FastOps(backend={self.backend!r}, threads={self.threads}, activations={self.activations!r})"
 
     def linear(self, x: F32, w: QTensor, bias: F32 | None = None) -> F32:
         """x [T, C] @ w[R, C].T (+ bias [R]) -> [T, R]."""

@@ -87,8 +87,8 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *xo, *wspec, *bo, *yo;
     long long T, C, R;
-    int isa_i, nthreads;
-    if (!PyArg_ParseTuple(args, "OLLLOOOii", &xo, &T, &C, &R, &wspec, &bo, &yo, &isa_i, &nthreads))
+    int isa_i, nthreads, q8 = 0;
+    if (!PyArg_ParseTuple(args, "OLLLOOOii|p", &xo, &T, &C, &R, &wspec, &bo, &yo, &isa_i, &nthreads, &q8))
         return NULL;
     const mt_isa *isa = get_isa(isa_i);
     if (!isa) return NULL;
@@ -102,7 +102,7 @@ static PyObject *py_linear(PyObject *self, PyObject *args) {
     if (bo != Py_None && !(bias = get_buf(&bs, bo, R * 4, 0, "bias"))) goto fail;
     if (!(y = get_buf(&bs, yo, T * R * 4, 1, "out"))) goto fail;
     Py_BEGIN_ALLOW_THREADS
-    rc = mt_linear(isa, nthreads, x, T, &w, bias, y);
+    rc = q8 ? mt_linear_q8(isa, nthreads, x, T, &w, bias, y) : mt_linear(isa, nthreads, x, T, &w, bias, y);
     Py_END_ALLOW_THREADS
     bufset_release(&bs);
     if (rc < 0) return PyErr_NoMemory();
@@ -116,8 +116,8 @@ static PyObject *py_ffn(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *xo, *gs, *us, *ds, *yo;
     long long T, D, I;
-    int isa_i, nthreads;
-    if (!PyArg_ParseTuple(args, "OLLLOOOOii", &xo, &T, &D, &I, &gs, &us, &ds, &yo, &isa_i, &nthreads))
+    int isa_i, nthreads, q8 = 0;
+    if (!PyArg_ParseTuple(args, "OLLLOOOOii|p", &xo, &T, &D, &I, &gs, &us, &ds, &yo, &isa_i, &nthreads, &q8))
         return NULL;
     const mt_isa *isa = get_isa(isa_i);
     if (!isa) return NULL;
@@ -132,7 +132,7 @@ static PyObject *py_ffn(PyObject *self, PyObject *args) {
     if (!(x = get_buf(&bs, xo, T * D * 4, 0, "x"))) goto fail;
     if (!(y = get_buf(&bs, yo, T * D * 4, 1, "out"))) goto fail;
     Py_BEGIN_ALLOW_THREADS
-    rc = mt_ffn(isa, nthreads, x, T, &g, &u, &d, y);
+    rc = q8 ? mt_ffn_q8(isa, nthreads, x, T, &g, &u, &d, y) : mt_ffn(isa, nthreads, x, T, &g, &u, &d, y);
     Py_END_ALLOW_THREADS
     bufset_release(&bs);
     if (rc < 0) return PyErr_NoMemory();
@@ -268,8 +268,9 @@ static PyObject *py_isas(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"linear", py_linear, METH_VARARGS, "linear(x, T, C, R, (dtype, data, scales, g), bias, out, isa, threads)"},
-    {"ffn", py_ffn, METH_VARARGS, "ffn(x, T, D, I, gate, up, down, out, isa, threads)"},
+    {"linear", py_linear, METH_VARARGS,
+     "linear(x, T, C, R, (dtype, data, scales, g), bias, out, isa, threads, int8_activations=False)"},
+    {"ffn", py_ffn, METH_VARARGS, "ffn(x, T, D, I, gate, up, down, out, isa, threads, int8_activations=False)"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, T, C, weight, eps, out, isa)"},
     {"softmax", py_softmax, METH_VARARGS, "softmax(x, T, N, out, isa)"},
     {"attention", py_attention, METH_VARARGS,

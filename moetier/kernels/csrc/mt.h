@@ -40,6 +40,19 @@
  * dequantizes a chunk in registers or a block of rows into a small per-thread buffer,
  * never a whole matrix.
  *
+ * THE INT8-ACTIVATION CONTRACT (opt-in and lossy: FastOps(activations="int8")). For int8
+ * and int4 weights whose group size is a multiple of 32, a linear may instead quantize
+ * each token's activations per block of 32 columns -- xs = amax / 127 (IEEE division; 0 for
+ * an all-zero block), xq = rint(x / xs) as int8 (0 where xs is 0) -- and compute
+ *     acc = +0; for each block b in increasing order:
+ *         acc = fma(ws[b] * xs[b], (float) isum[b], acc)
+ *     y = acc (+ bias)
+ * where ws[b] is the weight scale of the group holding block b and isum[b] is the exact
+ * integer sum of (weight q) * xq over the block's columns (columns >= C have xq = 0). The
+ * integer sums are exact in any order, so every path agrees bit for bit here too; only
+ * the rounding of the activations to int8 is lossy (its error is measured, see
+ * `moetier bench activations`).
+ *
  * Every file is compiled with -ffp-contract=off so the compiler never fuses a multiply
  * and an add that the contract does not fuse, and without -ffast-math so nothing is
  * reassociated or approximated.
@@ -73,6 +86,19 @@ typedef struct {
 
 struct mt_isa;
 
+/* One linear call under the int8-activation contract: the quantized tokens and the weights. */
+typedef struct q8ctx {
+    const int8_t *xq;    /* [T][nb * 32]; int4 weights: each block's even columns, then its odd ones */
+    const float *xs;     /* [T][nb] block scales */
+    const int32_t *xsum; /* [T][nb] sum of a block's xq (int4: the -8 of every nibble) */
+    int64_t T, nb;
+    const qmat *w;
+    const float *bias;
+    float *y;
+} q8ctx;
+
+void mt_q8_rows_generic(const q8ctx *k, int64_t r0, int64_t n);
+
 /* One linear call: y[t, r] = dot(x[t], w[r], C) (+ bias[r]). */
 typedef struct {
     const struct mt_isa *isa;
@@ -98,6 +124,13 @@ typedef struct mt_isa {
     int (*supported)(void);
     /* output rows [r0, r0 + RB) (clipped to R) of every token */
     void (*linear_block)(const linear_ctx *k, int64_t r0, float *buf);
+    /* optional: the whole linear for T >= many_min tokens (its own split into chunks);
+     * returns 0 or -1 (no memory) */
+    int (*linear_many)(int nthreads, const float *x, int64_t T, const qmat *w, const float *bias, float *y);
+    int64_t many_min;
+    /* optional: rows [r0, r0 + n) of every token under the int8-activation contract (NULL:
+     * the generic one) */
+    void (*q8_rows)(const struct q8ctx *k, int64_t r0, int64_t n);
     tile_fn tile;
     float (*sum)(const float *a, int64_t n);
     void (*exp_shift)(const float *x, float m, int64_t n, float *y); /* y = exp(x - m) */
@@ -183,11 +216,19 @@ float mt_hsum16(const float *a);
 /* ---------------------------------------------------------------- the operations (ops.c) */
 
 void *mt_xalloc(size_t bytes);
+/* A per-thread buffer of at least `floats` floats, kept for the thread's next calls (slot
+ * 0..3 are independent buffers); NULL when out of memory. */
+float *mt_scratch(int slot, size_t floats);
 int64_t mt_rowbuf_len(const qmat *w);
 int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
               float *y);
 int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
            const qmat *down, float *y);
+/* The same under the int8-activation contract (weights outside it: the exact kernels). */
+int mt_linear_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
+                 float *y);
+int mt_ffn_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
+              const qmat *down, float *y);
 void mt_rmsnorm(const mt_isa *isa, const float *x, int64_t T, int64_t C, const float *wt, float eps, float *y);
 void mt_softmax_row(const mt_isa *isa, const float *x, int64_t n, float *y);
 int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k, const float *v,

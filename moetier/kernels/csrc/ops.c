@@ -2,6 +2,7 @@
  * how the pieces of one operation follow each other. Nothing here decides a bit: every
  * floating-point operation happens inside an ISA's kernel (or is elementwise IEEE
  * arithmetic written out here once for all of them). */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -43,6 +44,38 @@ void *mt_xalloc(size_t bytes) {
     return p;
 }
 
+#define SCRATCH_SLOTS 4
+typedef struct {
+    float *p[SCRATCH_SLOTS];
+    size_t n[SCRATCH_SLOTS];
+} scratch_t;
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *v) {
+    scratch_t *s = v;
+    for (int i = 0; i < SCRATCH_SLOTS; i++) free(s->p[i]);
+    free(s);
+}
+
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
+
+float *mt_scratch(int slot, size_t floats) {
+    pthread_once(&scratch_once, scratch_init);
+    scratch_t *s = pthread_getspecific(scratch_key);
+    if (!s) {
+        if (!(s = calloc(1, sizeof(*s)))) return NULL;
+        pthread_setspecific(scratch_key, s);
+    }
+    if (s->n[slot] < floats) {
+        free(s->p[slot]);
+        s->n[slot] = 0;
+        if (!(s->p[slot] = mt_xalloc(floats * 4))) return NULL;
+        s->n[slot] = floats;
+    }
+    return s->p[slot];
+}
+
 int64_t mt_rowbuf_len(const qmat *w) {
     int64_t n = mt_round16(w->cols);
     int64_t cp = w->g ? w->ngroups * w->g : w->cols;
@@ -68,6 +101,7 @@ static void linear_chunk(void *ctx, int64_t chunk) {
 /* y[t, r] = dot(x[t], w[r], C) (+ bias[r]).  x [T, C], y [T, R]. Returns 0 or -1 (no memory). */
 int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
               float *y) {
+    if (isa->linear_many && T >= isa->many_min) return isa->linear_many(nthreads, x, T, w, bias, y);
     const int64_t nb = (w->rows + RB - 1) / RB;
     /* about 32 KiB of weights per chunk: small enough to balance, big enough to amortise */
     int64_t bpc = (32 << 10) / (RB * (w->row_bytes > 0 ? w->row_bytes : 1));
@@ -88,6 +122,110 @@ int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qma
         mt_linear(isa, nthreads, x, T, up, NULL, hu) == 0) {
         isa->swiglu(hg, hu, T * I); /* silu(g) * u as the reference writes it */
         rc = mt_linear(isa, nthreads, hg, T, down, NULL, y);
+    }
+    free(hg);
+    free(hu);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- int8 activations (lossy) */
+
+/* The quantized weight of row r at column c: q (int8) or nibble - 8 (int4). */
+static inline int32_t wq_at(const qmat *w, int64_t r, int64_t c) {
+    const uint8_t *row = w->data + r * w->row_bytes;
+    if (w->dtype == DT_INT8) return (int8_t)row[c];
+    const uint8_t b = row[c / 2];
+    return (int32_t)((c & 1) ? b >> 4 : b & 15) - 8;
+}
+
+/* xq's column order inside a block: int4 weights keep each block's even columns first
+ * (the low nibbles of its 16 bytes), then its odd ones, so a kernel multiplies nibble
+ * vectors with activation vectors directly; int8 weights: natural order. */
+static inline int64_t q8_pos(int dtype, int64_t j) { return dtype == DT_INT4 ? (j & 1) * 16 + j / 2 : j; }
+
+void mt_q8_rows_generic(const q8ctx *k, int64_t r0, int64_t n) {
+    const qmat *w = k->w;
+    const int64_t C = w->cols, R = w->rows;
+    for (int64_t r = r0; r < r0 + n; r++) {
+        const uint16_t *ws = w->scales + r * w->ngroups;
+        for (int64_t t = 0; t < k->T; t++) {
+            const int8_t *xq = k->xq + t * k->nb * 32;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < k->nb; b++) {
+                int32_t isum = 0;
+                for (int64_t j = 0; j < 32 && 32 * b + j < C; j++)
+                    isum += wq_at(w, r, 32 * b + j) * xq[b * 32 + q8_pos(w->dtype, j)];
+                const float sc = mt_f16(ws[(32 * b) / w->g]) * k->xs[t * k->nb + b];
+                acc = fmaf(sc, (float)isum, acc);
+            }
+            k->y[t * R + r] = k->bias ? acc + k->bias[r] : acc;
+        }
+    }
+}
+
+typedef struct {
+    const mt_isa *isa;
+    const q8ctx *k;
+    int64_t rows_per_chunk;
+} q8job;
+
+static void q8_chunk(void *ctx, int64_t chunk) {
+    const q8job *j = ctx;
+    const int64_t r0 = chunk * j->rows_per_chunk, R = j->k->w->rows;
+    const int64_t n = r0 + j->rows_per_chunk < R ? j->rows_per_chunk : R - r0;
+    (j->isa->q8_rows ? j->isa->q8_rows : mt_q8_rows_generic)(j->k, r0, n);
+}
+
+int mt_linear_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
+                 float *y) {
+    if ((w->dtype != DT_INT8 && w->dtype != DT_INT4) || w->g % 32)
+        return mt_linear(isa, nthreads, x, T, w, bias, y); /* outside the contract: exact */
+    const int64_t C = w->cols, nb = (C + 31) / 32;
+    int8_t *xq = mt_xalloc((size_t)(T * nb * 32));
+    float *xs = mt_xalloc((size_t)(T * nb) * 4);
+    int32_t *xsum = mt_xalloc((size_t)(T * nb) * 4);
+    int rc = -1;
+    if (xq && xs && xsum) {
+        memset(xq, 0, (size_t)(T * nb * 32));
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t b = 0; b < nb; b++) {
+                const float *xb = x + t * C + 32 * b;
+                const int64_t n = C - 32 * b < 32 ? C - 32 * b : 32;
+                float amax = 0.0f;
+                for (int64_t j = 0; j < n; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+                const float sc = amax / 127.0f;
+                int32_t sum = 0;
+                for (int64_t j = 0; j < n; j++) {
+                    const int32_t q = sc > 0.0f ? (int32_t)rintf(xb[j] / sc) : 0;
+                    xq[(t * nb + b) * 32 + q8_pos(w->dtype, j)] = (int8_t)q;
+                    sum += q;
+                }
+                xs[t * nb + b] = sc;
+                xsum[t * nb + b] = sum;
+            }
+        const q8ctx k = {xq, xs, xsum, T, nb, w, bias, y};
+        /* about 32 KiB of weights per chunk, a multiple of 8 rows */
+        int64_t rpc = ((32 << 10) / (w->row_bytes > 0 ? w->row_bytes : 1) + 7) / 8 * 8;
+        if (rpc < 8) rpc = 8;
+        q8job job = {isa, &k, rpc};
+        mt_pool_run(nthreads, (w->rows + rpc - 1) / rpc, q8_chunk, &job);
+        rc = 0;
+    }
+    free(xq);
+    free(xs);
+    free(xsum);
+    return rc;
+}
+
+int mt_ffn_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
+              const qmat *down, float *y) {
+    const int64_t I = gate->rows;
+    float *hg = mt_xalloc((size_t)(T * I) * 4), *hu = mt_xalloc((size_t)(T * I) * 4);
+    int rc = -1;
+    if (hg && hu && mt_linear_q8(isa, nthreads, x, T, gate, NULL, hg) == 0 &&
+        mt_linear_q8(isa, nthreads, x, T, up, NULL, hu) == 0) {
+        isa->swiglu(hg, hu, T * I);
+        rc = mt_linear_q8(isa, nthreads, hg, T, down, NULL, y);
     }
     free(hg);
     free(hu);

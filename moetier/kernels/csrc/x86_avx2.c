@@ -18,6 +18,10 @@
 #define MT_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 
+#ifndef MT_AVX2_MANY_MIN
+#define MT_AVX2_MANY_MIN 32 /* tokens from which the outer-product path beats the fused tiles */
+#endif
+
 #ifndef MT_AVX2_PREFETCH
 #define MT_AVX2_PREFETCH 512 /* bytes ahead in each weight row the decode kernel prefetches */
 #endif
@@ -502,8 +506,8 @@ static void linear_block_avx2(const linear_ctx *k, int64_t r0, float *buf) {
     const int64_t R = w->rows, C = w->cols, T = k->T;
     const int nr = (int)(R - r0 < RB ? R - r0 : RB);
     const int quant = w->dtype == DT_INT8 || w->dtype == DT_INT4;
-    if (T > TBMAX || (quant && w->g % 16)) {
-        if (T <= TBMAX) { /* groups that split a chunk: dequantized rows, then tiles */
+    if (quant && w->g % 16) { /* groups that split a chunk: dequantized rows, then tiles */
+        if (T <= TBMAX) {
             mt_linear_block_tiles(k, r0, buf, row_values_avx2, tile_avx2);
             return;
         }
@@ -512,19 +516,251 @@ static void linear_block_avx2(const linear_ctx *k, int64_t r0, float *buf) {
         batch_rows(k, r0, nr, wr, buf + RB * k->blen);
         return;
     }
+    /* chunks dequantized in registers, for each tile of up to TBMAX tokens */
     int64_t rows[RB];
     for (int i = 0; i < RB; i++) rows[i] = r0 + (i < nr ? i : nr - 1); /* past R: repeat (unused) */
-    const float *xr[TBMAX];
-    for (int j = 0; j < TBMAX; j++) xr[j] = k->x + (j < T ? j : 0) * C;
-    float res[TBMAX][RB];
-    switch (w->dtype) {
-    case DT_F32: fused_DT_F32((int)T, w, rows, xr, res); break;
-    case DT_BF16: fused_DT_BF16((int)T, w, rows, xr, res); break;
-    case DT_INT8: fused_DT_INT8((int)T, w, rows, xr, res); break;
-    default: fused_DT_INT4((int)T, w, rows, xr, res); break;
+    for (int64_t t0 = 0; t0 < T; t0 += TBMAX) {
+        const int tb = (int)(T - t0 < TBMAX ? T - t0 : TBMAX);
+        const float *xr[TBMAX];
+        for (int j = 0; j < TBMAX; j++) xr[j] = k->x + (t0 + (j < tb ? j : 0)) * C;
+        float res[TBMAX][RB];
+        switch (w->dtype) {
+        case DT_F32: fused_DT_F32(tb, w, rows, xr, res); break;
+        case DT_BF16: fused_DT_BF16(tb, w, rows, xr, res); break;
+        case DT_INT8: fused_DT_INT8(tb, w, rows, xr, res); break;
+        default: fused_DT_INT4(tb, w, rows, xr, res); break;
+        }
+        for (int j = 0; j < tb; j++)
+            for (int i = 0; i < nr; i++)
+                k->y[(t0 + j) * R + r0 + i] = k->bias ? res[j][i] + k->bias[r0 + i] : res[j][i];
     }
-    for (int j = 0; j < T; j++)
-        for (int i = 0; i < nr; i++) k->y[j * R + r0 + i] = k->bias ? res[j][i] + k->bias[r0 + i] : res[j][i];
+}
+
+/* ---------------------------------------------------------------- many tokens: outer products
+ * For many tokens the contract's accumulators are laid out so the fma can be an outer
+ * product, as in a GEMM micro-kernel: one register holds lane l of eight output rows,
+ * updated with eight weights of one column (rows r..r+7, column 16k + l) times one
+ * token's value at that column, broadcast. Per (token, row, lane) that is exactly the
+ * contract's acc[l] = fma(w[16k + l], x[16k + l], acc[l]) for k = 0, 1, ... in order;
+ * the lanes are then summed by the contract's tree, eight rows at a time.
+ * Tokens are first copied lane-major (xt[t][l][k] = x[t][16k + l], 0 past C), and each
+ * panel of PANEL rows is dequantized and transposed the same way (P[l][k][r]), so both
+ * operands of a lane's pass stream from consecutive addresses. */
+#define PANEL 24
+#define NTT 4
+
+typedef struct {
+    const float *xt; /* [T][16][nk] */
+    int64_t T, nk;
+    const qmat *w;
+    const float *bias;
+    float *y;
+    atomic_int failed;
+} many_ctx;
+
+/* eight values of row `row` at columns [c, c + 8), 0 at columns >= C */
+MT_AVX2 INLINE __m256 load8(const float *row, int64_t c, int64_t C) {
+    return c + 8 <= C ? _mm256_loadu_ps(row + c) : _mm256_maskload_ps(row + c, lane_mask(C - c));
+}
+
+/* In-register 8x8 transpose: r[i] (row i) -> r[j] (column j). */
+MT_AVX2 INLINE void transpose8(__m256 r[8]) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+/* P[(l * nk + k) * PANEL + i] = value of row r0 + i at column 16k + l (0 past C or past R). */
+MT_AVX2 static int build_panel(const qmat *w, int64_t r0, int64_t nk, float *P) {
+    const int64_t R = w->rows, C = w->cols, blen = mt_rowbuf_len(w);
+    float *rb = mt_scratch(2, (size_t)(PANEL * blen));
+    if (!rb) return -1;
+    const float *rows[PANEL];
+    for (int i = 0; i < PANEL; i++) rows[i] = r0 + i < R ? row_values_avx2(w, r0 + i, rb + i * blen) : NULL;
+    for (int h = 0; h < PANEL; h += 8)
+        for (int64_t c = 0; c < nk * 16; c += 8) {
+            __m256 v[8];
+            for (int i = 0; i < 8; i++) v[i] = rows[h + i] && c < C ? load8(rows[h + i], c, C) : _mm256_setzero_ps();
+            transpose8(v); /* v[j]: column c + j of rows h..h+7 */
+            const int64_t k = c / 16, l0 = c % 16;
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(P + ((l0 + j) * nk + k) * PANEL + h, v[j]);
+        }
+    return 0;
+}
+
+/* Lane l of PANEL (24) rows x NT (<= 4) tokens over every k: twelve accumulators, three
+ * weight registers reused by every token, each token's value broadcast from memory (a
+ * broadcast per three fmas). The lane's results go to S[(j * 16 + l) * PANEL + i].
+ * Accumulators are named variables: in an array the compiler stores them to the stack on
+ * every k. */
+#define MACC(j) __m256 m##j##0 = _mm256_setzero_ps(), m##j##1 = _mm256_setzero_ps(), m##j##2 = _mm256_setzero_ps()
+#define MANY_STEP(j)                                                                                       \
+    if (nt_ > j) {                                                                                         \
+        const __m256 xb = _mm256_broadcast_ss(px + j * 16 * nk + k);                                       \
+        m##j##0 = _mm256_fmadd_ps(w0, xb, m##j##0);                                                        \
+        m##j##1 = _mm256_fmadd_ps(w1, xb, m##j##1);                                                        \
+        m##j##2 = _mm256_fmadd_ps(w2, xb, m##j##2);                                                        \
+    }
+#define MANY_STORE(j)                                                                                      \
+    if (nt_ > j) {                                                                                         \
+        _mm256_storeu_ps(S + (j * 16 + l) * PANEL, m##j##0);                                               \
+        _mm256_storeu_ps(S + (j * 16 + l) * PANEL + 8, m##j##1);                                           \
+        _mm256_storeu_ps(S + (j * 16 + l) * PANEL + 16, m##j##2);                                          \
+    }
+#define MANY_MK(NT)                                                                                        \
+    MT_AVX2 static void many_mk_##NT(const float *P, const float *xt, int64_t nk, int l, float *S) {        \
+        const int nt_ = NT;                                                                                \
+        MACC(0);                                                                                           \
+        MACC(1);                                                                                           \
+        MACC(2);                                                                                           \
+        MACC(3);                                                                                           \
+        const float *pw = P + (int64_t)l * nk * PANEL;                                                     \
+        const float *px = xt + (int64_t)l * nk;                                                            \
+        _Pragma("GCC unroll 4") for (int64_t k = 0; k < nk; k++) {                                        \
+            const __m256 w0 = _mm256_loadu_ps(pw + k * PANEL), w1 = _mm256_loadu_ps(pw + k * PANEL + 8);   \
+            const __m256 w2 = _mm256_loadu_ps(pw + k * PANEL + 16);                                        \
+            MANY_STEP(0) MANY_STEP(1) MANY_STEP(2) MANY_STEP(3)                                            \
+        }                                                                                                  \
+        MANY_STORE(0) MANY_STORE(1) MANY_STORE(2) MANY_STORE(3)                                            \
+    }
+MANY_MK(1)
+MANY_MK(2)
+MANY_MK(3)
+MANY_MK(4)
+
+/* y rows [r0, r0 + PANEL) of tokens [t0, t0 + nt) from their sixteen lanes in S: the
+ * contract's tree (i + 8, i + 4, i + 2, i + 1), eight rows per register. */
+MT_AVX2 static void many_reduce(const float *S, int nt, int64_t t0, int64_t r0, const many_ctx *m) {
+    const int64_t R = m->w->rows;
+    for (int j = 0; j < nt; j++)
+        for (int h = 0; h < PANEL; h += 8) {
+            __m256 v[16];
+            for (int l = 0; l < 16; l++) v[l] = _mm256_loadu_ps(S + (j * 16 + l) * PANEL + h);
+            for (int i = 0; i < 8; i++) v[i] = _mm256_add_ps(v[i], v[i + 8]);
+            for (int i = 0; i < 4; i++) v[i] = _mm256_add_ps(v[i], v[i + 4]);
+            for (int i = 0; i < 2; i++) v[i] = _mm256_add_ps(v[i], v[i + 2]);
+            float d[8];
+            _mm256_storeu_ps(d, _mm256_add_ps(v[0], v[1]));
+            for (int i = 0; i < 8 && r0 + h + i < R; i++) {
+                const int64_t r = r0 + h + i;
+                m->y[(t0 + j) * R + r] = m->bias ? d[i] + m->bias[r] : d[i];
+            }
+        }
+}
+
+static void many_panel(void *ctx, int64_t panel) {
+    many_ctx *m = ctx;
+    const int64_t nk = m->nk, r0 = panel * PANEL;
+    float *P = mt_scratch(0, (size_t)(16 * nk * PANEL)), *S = mt_scratch(1, (size_t)(NTT * 16 * PANEL));
+    if (!P || !S || build_panel(m->w, r0, nk, P) < 0) {
+        atomic_store(&m->failed, 1);
+        return;
+    }
+    for (int64_t t0 = 0; t0 < m->T; t0 += NTT) {
+        const int nt = (int)(m->T - t0 < NTT ? m->T - t0 : NTT);
+        const float *xt = m->xt + t0 * 16 * nk;
+        for (int l = 0; l < 16; l++) switch (nt) {
+            case 4: many_mk_4(P, xt, nk, l, S); break;
+            case 3: many_mk_3(P, xt, nk, l, S); break;
+            case 2: many_mk_2(P, xt, nk, l, S); break;
+            default: many_mk_1(P, xt, nk, l, S); break;
+            }
+        many_reduce(S, nt, t0, r0, m);
+    }
+}
+
+static int linear_many_avx2(int nthreads, const float *x, int64_t T, const qmat *w, const float *bias, float *y) {
+    const int64_t C = w->cols, nk = (C + 15) / 16;
+    float *xt = mt_xalloc((size_t)(T * 16 * nk) * 4);
+    if (!xt) return -1;
+    for (int64_t t = 0; t < T; t++)
+        for (int l = 0; l < 16; l++)
+            for (int64_t k = 0; k < nk; k++) {
+                const int64_t c = 16 * k + l;
+                xt[(t * 16 + l) * nk + k] = c < C ? x[t * C + c] : 0.0f;
+            }
+    many_ctx m = {xt, T, nk, w, bias, y, 0};
+    mt_pool_run(nthreads, (w->rows + PANEL - 1) / PANEL, many_panel, &m);
+    free(xt);
+    return atomic_load(&m.failed) ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------- int8 activations (lossy)
+ * The int8-activation contract (mt.h) with vpmaddubsw: eight rows at a time, lane = row.
+ * int4: a block's 16 bytes are broadcast to both halves of a register, the high half
+ * shifted by 4, both masked: low half = the block's even columns, high half = its odd
+ * ones, the order the activations were stored in; the nibbles (0..15) multiply the
+ * activations exactly (pairs <= 2 * 15 * 127), and 8 * sum(xq) is subtracted after.
+ * int8: |q| times xq with q's sign (pairs <= 2 * 127 * 127 < 2^15). */
+
+/* eight vectors of eight int32 -> one vector of their eight sums (exact) */
+MT_AVX2 INLINE __m256i hsum8x8(const __m256i p[8]) {
+    const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+MT_AVX2 static void q8_rows_avx2(const q8ctx *k, int64_t r0, int64_t n) {
+    const qmat *w = k->w;
+    const int64_t R = w->rows, nb = k->nb, gpb = w->g / 32; /* blocks per weight group */
+    const int int4 = w->dtype == DT_INT4;
+    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F), sh = _mm256_setr_epi64x(0, 0, 4, 4);
+    float *wsv = mt_scratch(3, (size_t)(w->ngroups * 8));
+    if (!wsv) { /* no memory for 8 scales per group: the generic loop needs none */
+        mt_q8_rows_generic(k, r0, n);
+        return;
+    }
+    for (int64_t g0 = r0; g0 < r0 + n; g0 += 8) {
+        const int nr = (int)(r0 + n - g0 < 8 ? r0 + n - g0 : 8);
+        const uint8_t *rp[8];
+        for (int i = 0; i < 8; i++) {
+            const int64_t r = g0 + (i < nr ? i : nr - 1); /* past the chunk: repeat (unused) */
+            rp[i] = w->data + r * w->row_bytes;
+            for (int64_t gi = 0; gi < w->ngroups; gi++) wsv[gi * 8 + i] = _cvtsh_ss(w->scales[r * w->ngroups + gi]);
+        }
+        for (int64_t t = 0; t < k->T; t++) {
+            const int8_t *xq = k->xq + t * nb * 32;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i X = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+                __m256i p[8];
+                for (int i = 0; i < 8; i++) {
+                    __m256i prod;
+                    if (int4) {
+                        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(rp[i] + b * 16)));
+                        prod = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srlv_epi64(v, sh), lo4), X);
+                    } else {
+                        const __m256i q = _mm256_loadu_si256((const __m256i *)(rp[i] + b * 32));
+                        prod = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(X, q));
+                    }
+                    p[i] = _mm256_madd_epi16(prod, ones);
+                }
+                __m256i isum = hsum8x8(p);
+                if (int4) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * k->xsum[t * nb + b]));
+                const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(wsv + (b / gpb) * 8),
+                                                _mm256_set1_ps(k->xs[t * nb + b]));
+                acc = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(isum), acc);
+            }
+            float o[8];
+            _mm256_storeu_ps(o, acc);
+            for (int i = 0; i < nr; i++)
+                k->y[t * R + g0 + i] = k->bias ? o[i] + k->bias[g0 + i] : o[i];
+        }
+    }
 }
 
 /* ---------------------------------------------------------------- elementwise, sums, P.V */
@@ -618,6 +854,9 @@ const mt_isa mt_isa_avx2 = {
     .name = "avx2",
     .supported = cpu_avx2,
     .linear_block = linear_block_avx2,
+    .linear_many = linear_many_avx2,
+    .many_min = MT_AVX2_MANY_MIN,
+    .q8_rows = q8_rows_avx2,
     .tile = tile_avx2,
     .sum = sum_avx2,
     .exp_shift = exp_shift_avx2,
