@@ -33,15 +33,15 @@ STOP_IDS = [EOS_ID, END_ID]
 # use the Hermes / Qwen3 format: the tool list in the system turn, each call as
 # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, tool results as user turns in
 # <tool_response> tags; so the gateway parses the demo model's calls with its qwen3 format.
+# The fixed instructions come before the tool list, so that requests with different tools
+# share the longest prefix (the prefix cache serves it).
 TOOLS_PREAMBLE = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "# Tools\n\nYou may call one or more functions to assist with the user query. For each function call, "
+    "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>\n\n'
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
 )
-TOOLS_INSTRUCTION = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    '<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": '
-    "<args-json-object>}\n</tool_call>"
-)
+TOOLS_INSTRUCTION = "\n</tools>"
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if tools %}"
