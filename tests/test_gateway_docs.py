@@ -4,6 +4,7 @@ endpoints gets its API's envelope and the documented status."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,22 @@ async def test_bad_inputs_get_their_envelope(model: ServedModel, case: tuple[str
     else:
         assert set(err) == {"error"} and says in err["error"]["message"]
         assert err["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages"])
+async def test_tools_for_a_template_without_tools(tmp_path: Path, path: str) -> None:
+    d = make_model_dir(tmp_path)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    model = ServedModel.from_dir(d)
+    assert model.tool_format is None
+    fn = {"name": "f", "parameters": {"type": "object"}}
+    body = {"/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                     "tools": [{"type": "function", "function": fn}]},
+            "/v1/responses": {**RESP, "tools": [{"type": "function", **fn}]},
+            "/v1/messages": {**MSG, "tools": [TOOL]}}[path]
+    async with in_process(model) as gw:
+        r = await gw.client.post(path, json=body)
+        assert not gw.fake.requests
+    assert r.status_code == 400 and "does not render tools" in r.text
