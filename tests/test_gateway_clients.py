@@ -81,6 +81,14 @@ def test_anthropic_create(claude: anthropic.Anthropic, gw: Served, model: Served
     assert _prompt(gw, model).startswith("<|bos|><|system|>\nBe brief.<|end|>\n<|user|>\nSay hello.")
 
 
+def test_anthropic_system_messages_between_turns(claude: anthropic.Anthropic, gw: Served, model: ServedModel) -> None:
+    """Claude Code sends its environment as a system message after the user's."""
+    claude.messages.create(model=MODEL, max_tokens=5, system=[{"type": "text", "text": "Be brief."}],
+                           messages=[{"role": "user", "content": "Hi"},
+                                     {"role": "system", "content": [{"type": "text", "text": "# Environment"}]}])  # type: ignore[misc,list-item]
+    assert "<|user|>\nHi<|end|>\n<|system|>\n# Environment<|end|>\n<|assistant|>\n" in _prompt(gw, model)
+
+
 def test_anthropic_stream(claude: anthropic.Anthropic) -> None:
     with claude.messages.stream(model=MODEL, max_tokens=100, messages=[{"role": "user", "content": "Hi"}]) as s:
         kinds = [e.type for e in s]

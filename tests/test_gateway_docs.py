@@ -75,7 +75,7 @@ RESP = {"model": MODEL, "input": "Hi"}
 TOOL = {"name": "f", "input_schema": {"type": "object"}}
 BAD: list[tuple[str, str, dict[str, Any], int, str]] = [
     ("/v1/messages", "no max_tokens", {"model": MODEL, "messages": MSG["messages"]}, 400, "max_tokens"),
-    ("/v1/messages", "bad role", {**MSG, "messages": [{"role": "system", "content": "x"}]}, 400, "role"),
+    ("/v1/messages", "bad role", {**MSG, "messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
     ("/v1/messages", "image block", {**MSG, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, 400, "image"),
     ("/v1/messages", "temperature > 1", {**MSG, "temperature": 1.5}, 400, "temperature"),

@@ -80,7 +80,8 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | U
 
 
 class MessageParam(_Wire):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"] = Field(
+        description="system: instructions between turns (as Claude Code sends its environment).")
     content: str | list[Block]
 
 
