@@ -88,6 +88,8 @@ name = "moetier"
 base_url = "{cluster.url}/v1"
 env_key = "MOETIER_API_KEY"
 wire_api = "responses"
+# Codex gives up on a stream silent for 5 minutes and retries (which starts the prefill over).
+stream_idle_timeout_ms = {CLI_TIMEOUT_S * 1000}
 """)
     work = tmp_path / "work"
     work.mkdir()
