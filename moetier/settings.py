@@ -126,7 +126,7 @@ class KernelsSection(_Section):
         "this CPU lacks is refused at start).")
     activations: Literal["exact", "int8"] = Field(
         "exact", description="exact (default), or int8: LOSSY, every int8/int4 linear rounds its inputs to int8 per "
-        "block of 32 and multiplies in integers (faster prefill; `moetier bench activations` measures the error).")
+        "block of 64 and multiplies in integers (faster prefill; `moetier bench activations` measures the error).")
 
 
 class Endpoint(_Section):

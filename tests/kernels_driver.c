@@ -113,7 +113,7 @@ int main(void) {
                     if (mt_linear(mt_isas[i], 2, x, T, &w, (T % 2) ? bias : NULL, y) != 0) return 2;
                     report(name, mt_isas[i], y, T * R);
                 }
-                if (dt >= DT_INT8 && g % 32 == 0) { /* the int8-activation contract */
+                if (dt >= DT_INT8 && g % 64 == 0) { /* the int8-activation contract */
                     snprintf(name, sizeof(name), "linear-q8/%s/R%lld/C%lld/g%lld/T%lld", dts[dt], (long long)R,
                              (long long)C, (long long)g, (long long)T);
                     for (int i = 0; mt_isas[i]; i++) {

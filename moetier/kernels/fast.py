@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, Literal
@@ -102,7 +103,7 @@ def set_default_activations(activations: Activations) -> None:
     if activations not in ("exact", "int8"):
         raise ValueError(f"unknown activations {activations!r}; expected exact or int8")
     if activations == "int8":
-        log.warning("kernels: int8 activations (LOSSY: activations rounded to int8 per block of 32 in every "
+        log.warning("kernels: int8 activations (LOSSY: activations rounded to int8 per block of 64 in every "
                     "int8/int4 linear; outputs differ from the exact kernels)")
     _DEFAULT_ACTIVATIONS = activations
 
@@ -284,7 +285,7 @@ class FastOps:
     "c-portable": the same bits, for tests and benchmarks), "numba".
     threads: worker threads per call (default: the CPUs this process may run on).
     activations: "exact" (the contract; default) or "int8" (lossy: int8 and int4 linears
-    quantize their inputs per block of 32 and multiply in integers, see the int8-activation
+    quantize their inputs per block of 64 and multiply in integers, see the int8-activation
     contract in csrc/mt.h; C kernels only); None: the process default.
     """
 
@@ -445,6 +446,44 @@ class FastOps:
             ye = np.empty_like(xe)
             self._k.ffn(xe, w, ye)
             ys[slots] = ye
+
+
+def _probe_isa(ops: FastOps) -> int:
+    if not isinstance(ops._k, _CBackend):
+        raise ValueError(f"the machine probes run on the C kernels; {ops.backend} has none")
+    return ops._k.isa
+
+
+def fma_peak_gflops(ops: FastOps, seconds: float = 0.3) -> float:
+    """The FMA peak of `ops`' path on its threads: twelve independent fma chains per thread,
+    GFLOP/s (an fma counts 2), best of three runs of about `seconds` each."""
+    assert _C is not None
+    isa, rounds, best = _probe_isa(ops), 200_000, 0.0
+    while True:  # size the run to about `seconds`
+        t = time.perf_counter()
+        flops = float(_C.fma_probe(isa, ops.threads, rounds))
+        dt = time.perf_counter() - t
+        if dt >= seconds / 4 or rounds > 1 << 40:
+            break
+        rounds *= 4
+    best = flops / dt
+    for _ in range(2):
+        t = time.perf_counter()
+        flops = float(_C.fma_probe(isa, ops.threads, rounds))
+        best = max(best, flops / (time.perf_counter() - t))
+    return best / 1e9
+
+
+def read_bandwidth_gbps(ops: FastOps, buf: np.ndarray, rounds: int = 3) -> float:
+    """Memory read bandwidth on `ops`' threads and path: every byte of `buf` read once per
+    round with vector loads, split between the threads; GB/s, best round."""
+    assert _C is not None
+    isa, best = _probe_isa(ops), 0.0
+    for _ in range(max(1, rounds)):
+        t = time.perf_counter()
+        _C.read_probe(buf, isa, ops.threads)
+        best = max(best, buf.nbytes / (time.perf_counter() - t))
+    return best / 1e9
 
 
 def warmup(backend: Backend = "auto") -> None:

@@ -398,6 +398,30 @@ static void pv_neon(int nh, const float *const *p, const float *v, int64_t vstri
     }
 }
 
+static double fma_probe_neon(int64_t n, float seed) {
+    float32x4_t a[12];
+    for (int i = 0; i < 12; i++) a[i] = vdupq_n_f32(seed + (float)i);
+    const float32x4_t b = vdupq_n_f32(0.999999f), c = vdupq_n_f32(1e-7f);
+    for (int64_t k = 0; k < n; k++)
+        for (int i = 0; i < 12; i++) a[i] = vfmaq_f32(c, a[i], b);
+    float32x4_t s = a[0];
+    for (int i = 1; i < 12; i++) s = vaddq_f32(s, a[i]);
+    volatile float sink = vgetq_lane_f32(s, 0);
+    (void)sink;
+    return 2.0 * 12 * 4 * (double)n;
+}
+
+static uint64_t read_probe_neon(const uint8_t *p, int64_t bytes) {
+    uint64x2_t s0 = vdupq_n_u64(0), s1 = s0;
+    int64_t i = 0;
+    for (; i + 32 <= bytes; i += 32) {
+        s0 = vaddq_u64(s0, vld1q_u64((const uint64_t *)(const void *)(p + i)));
+        s1 = vaddq_u64(s1, vld1q_u64((const uint64_t *)(const void *)(p + i + 16)));
+    }
+    s0 = vaddq_u64(s0, s1);
+    return vgetq_lane_u64(s0, 0) + vgetq_lane_u64(s0, 1);
+}
+
 static int supported_neon(void) { return 1; }
 
 const mt_isa mt_isa_neon = {
@@ -409,5 +433,7 @@ const mt_isa mt_isa_neon = {
     .exp_shift = exp_shift_neon,
     .swiglu = swiglu_neon,
     .pv = pv_neon,
+    .fma_probe = fma_probe_neon,
+    .read_probe = read_probe_neon,
 };
 #endif

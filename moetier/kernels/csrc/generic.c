@@ -151,6 +151,28 @@ MT_CLONES static void pv_generic(int nh, const float *const *p, const float *v, 
     }
 }
 
+MT_CLONES static double fma_probe_generic(int64_t n, float seed) {
+    float a[12];
+    for (int i = 0; i < 12; i++) a[i] = seed + (float)i;
+    const float b = 0.999999f, c = 1e-7f;
+    for (int64_t k = 0; k < n; k++)
+        for (int i = 0; i < 12; i++) a[i] = fmaf(a[i], b, c);
+    volatile float sink = 0.0f;
+    for (int i = 0; i < 12; i++) sink += a[i];
+    (void)sink;
+    return 2.0 * 12 * (double)n;
+}
+
+static uint64_t read_probe_generic(const uint8_t *p, int64_t bytes) {
+    uint64_t s = 0;
+    for (int64_t i = 0; i + 8 <= bytes; i += 8) {
+        uint64_t v;
+        memcpy(&v, p + i, 8);
+        s += v;
+    }
+    return s;
+}
+
 static int supported_always(void) { return 1; }
 
 const mt_isa mt_isa_generic = {
@@ -162,4 +184,6 @@ const mt_isa mt_isa_generic = {
     .exp_shift = exp_shift_generic,
     .swiglu = swiglu_generic,
     .pv = pv_generic,
+    .fma_probe = fma_probe_generic,
+    .read_probe = read_probe_generic,
 };

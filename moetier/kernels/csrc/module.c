@@ -250,6 +250,37 @@ static PyObject *py_exp(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_fma_probe(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa_i, nthreads;
+    long long rounds;
+    if (!PyArg_ParseTuple(args, "iiL", &isa_i, &nthreads, &rounds)) return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    double flops;
+    Py_BEGIN_ALLOW_THREADS
+    flops = mt_fma_probe(isa, nthreads, rounds);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(flops);
+}
+
+static PyObject *py_read_probe(PyObject *self, PyObject *args) {
+    (void)self;
+    int isa_i, nthreads;
+    PyObject *bo;
+    if (!PyArg_ParseTuple(args, "Oii", &bo, &isa_i, &nthreads)) return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(bo, &v, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    uint64_t sum;
+    Py_BEGIN_ALLOW_THREADS
+    sum = mt_read_probe(isa, nthreads, v.buf, (int64_t)v.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&v);
+    return PyLong_FromUnsignedLongLong(sum);
+}
+
 static PyObject *py_isas(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -276,6 +307,10 @@ static PyMethodDef methods[] = {
     {"attention", py_attention, METH_VARARGS,
      "attention(q, k, v, q_pos, T, H, S, Hkv, dq, dv, scale, out, isa, threads)"},
     {"exp", py_exp, METH_VARARGS, "exp(x, N, out, isa): the contract's exponential, elementwise"},
+    {"fma_probe", py_fma_probe, METH_VARARGS,
+     "fma_probe(isa, threads, rounds) -> flops: twelve independent fma chains per thread chunk (the FMA peak)"},
+    {"read_probe", py_read_probe, METH_VARARGS,
+     "read_probe(buffer, isa, threads) -> checksum: every byte read once, split between threads"},
     {"isas", py_isas, METH_NOARGS,
      "[(name, supported by this CPU)] of every kernel path in this build, best first; an ISA argument is an index "
      "into it"},

@@ -41,8 +41,8 @@
  * never a whole matrix.
  *
  * THE INT8-ACTIVATION CONTRACT (opt-in and lossy: FastOps(activations="int8")). For int8
- * and int4 weights whose group size is a multiple of 32, a linear may instead quantize
- * each token's activations per block of 32 columns -- xs = amax / 127 (IEEE division; 0 for
+ * and int4 weights whose group size is a multiple of MT_Q8B (64), a linear may instead
+ * quantize each token's activations per block of 64 columns -- xs = amax / 127 (IEEE division; 0 for
  * an all-zero block), xq = rint(x / xs) as int8 (0 where xs is 0) -- and compute
  *     acc = +0; for each block b in increasing order:
  *         acc = fma(ws[b] * xs[b], (float) isum[b], acc)
@@ -87,8 +87,9 @@ typedef struct {
 struct mt_isa;
 
 /* One linear call under the int8-activation contract: the quantized tokens and the weights. */
+#define MT_Q8B 64 /* columns per activation block */
 typedef struct q8ctx {
-    const int8_t *xq;    /* [T][nb * 32]; int4 weights: each block's even columns, then its odd ones */
+    const int8_t *xq;    /* [T][nb * MT_Q8B]; int4 weights: each block's even columns, then its odd ones */
     const float *xs;     /* [T][nb] block scales */
     const int32_t *xsum; /* [T][nb] sum of a block's xq (int4: the -8 of every nibble) */
     int64_t T, nb;
@@ -131,6 +132,10 @@ typedef struct mt_isa {
     /* optional: rows [r0, r0 + n) of every token under the int8-activation contract (NULL:
      * the generic one) */
     void (*q8_rows)(const struct q8ctx *k, int64_t r0, int64_t n);
+    /* probes of the machine's limits (bench compute): n rounds of twelve independent fma
+     * chains, returns the flops done; a read of every byte of p (returns a checksum) */
+    double (*fma_probe)(int64_t n, float seed);
+    uint64_t (*read_probe)(const uint8_t *p, int64_t bytes);
     tile_fn tile;
     float (*sum)(const float *a, int64_t n);
     void (*exp_shift)(const float *x, float m, int64_t n, float *y); /* y = exp(x - m) */
@@ -216,8 +221,10 @@ float mt_hsum16(const float *a);
 /* ---------------------------------------------------------------- the operations (ops.c) */
 
 void *mt_xalloc(size_t bytes);
-/* A per-thread buffer of at least `floats` floats, kept for the thread's next calls (slot
- * 0..3 are independent buffers); NULL when out of memory. */
+/* A per-thread buffer of at least `floats` floats, kept for the thread's next calls (slots
+ * 0..5 are independent buffers, each used by one kernel: 0-2 the outer-product panels,
+ * 3 the int8-activation scales, 4 linear row blocks, 5 attention scores); NULL when out of
+ * memory. */
 float *mt_scratch(int slot, size_t floats);
 int64_t mt_rowbuf_len(const qmat *w);
 int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
@@ -234,6 +241,10 @@ void mt_softmax_row(const mt_isa *isa, const float *x, int64_t n, float *y);
 int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k, const float *v,
                  const int64_t *qpos, int64_t T, int64_t H, int64_t S, int64_t Hkv, int64_t dq, int64_t dv,
                  float scale, float *out);
+
+/* The probes on nthreads threads: flops done / a checksum of the bytes read. */
+double mt_fma_probe(const mt_isa *isa, int nthreads, int64_t rounds);
+uint64_t mt_read_probe(const mt_isa *isa, int nthreads, const uint8_t *p, int64_t bytes);
 
 /* ---------------------------------------------------------------- the work pool (pool.c) */
 

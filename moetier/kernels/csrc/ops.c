@@ -44,7 +44,7 @@ void *mt_xalloc(size_t bytes) {
     return p;
 }
 
-#define SCRATCH_SLOTS 4
+#define SCRATCH_SLOTS 6
 typedef struct {
     float *p[SCRATCH_SLOTS];
     size_t n[SCRATCH_SLOTS];
@@ -89,13 +89,12 @@ static void linear_chunk(void *ctx, int64_t chunk) {
     const int64_t nb = (k->w->rows + RB - 1) / RB;
     const int64_t b0 = chunk * k->blocks_per_chunk;
     const int64_t b1 = b0 + k->blocks_per_chunk < nb ? b0 + k->blocks_per_chunk : nb;
-    float *buf = mt_xalloc((size_t)(RB * k->blen + MT_STATE_TOKENS * RB * 16) * 4);
+    float *buf = mt_scratch(4, (size_t)(RB * k->blen + MT_STATE_TOKENS * RB * 16));
     if (!buf) {
         atomic_store(&k->failed, 1);
         return;
     }
     for (int64_t b = b0; b < b1; b++) k->isa->linear_block(k, b * RB, buf);
-    free(buf);
 }
 
 /* y[t, r] = dot(x[t], w[r], C) (+ bias[r]).  x [T, C], y [T, R]. Returns 0 or -1 (no memory). */
@@ -139,9 +138,9 @@ static inline int32_t wq_at(const qmat *w, int64_t r, int64_t c) {
 }
 
 /* xq's column order inside a block: int4 weights keep each block's even columns first
- * (the low nibbles of its 16 bytes), then its odd ones, so a kernel multiplies nibble
+ * (the low nibbles of its 32 bytes), then its odd ones, so a kernel multiplies nibble
  * vectors with activation vectors directly; int8 weights: natural order. */
-static inline int64_t q8_pos(int dtype, int64_t j) { return dtype == DT_INT4 ? (j & 1) * 16 + j / 2 : j; }
+static inline int64_t q8_pos(int dtype, int64_t j) { return dtype == DT_INT4 ? (j & 1) * (MT_Q8B / 2) + j / 2 : j; }
 
 void mt_q8_rows_generic(const q8ctx *k, int64_t r0, int64_t n) {
     const qmat *w = k->w;
@@ -149,13 +148,13 @@ void mt_q8_rows_generic(const q8ctx *k, int64_t r0, int64_t n) {
     for (int64_t r = r0; r < r0 + n; r++) {
         const uint16_t *ws = w->scales + r * w->ngroups;
         for (int64_t t = 0; t < k->T; t++) {
-            const int8_t *xq = k->xq + t * k->nb * 32;
+            const int8_t *xq = k->xq + t * k->nb * MT_Q8B;
             float acc = 0.0f;
             for (int64_t b = 0; b < k->nb; b++) {
                 int32_t isum = 0;
-                for (int64_t j = 0; j < 32 && 32 * b + j < C; j++)
-                    isum += wq_at(w, r, 32 * b + j) * xq[b * 32 + q8_pos(w->dtype, j)];
-                const float sc = mt_f16(ws[(32 * b) / w->g]) * k->xs[t * k->nb + b];
+                for (int64_t j = 0; j < MT_Q8B && MT_Q8B * b + j < C; j++)
+                    isum += wq_at(w, r, MT_Q8B * b + j) * xq[b * MT_Q8B + q8_pos(w->dtype, j)];
+                const float sc = mt_f16(ws[(MT_Q8B * b) / w->g]) * k->xs[t * k->nb + b];
                 acc = fmaf(sc, (float)isum, acc);
             }
             k->y[t * R + r] = k->bias ? acc + k->bias[r] : acc;
@@ -178,26 +177,26 @@ static void q8_chunk(void *ctx, int64_t chunk) {
 
 int mt_linear_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
                  float *y) {
-    if ((w->dtype != DT_INT8 && w->dtype != DT_INT4) || w->g % 32)
+    if ((w->dtype != DT_INT8 && w->dtype != DT_INT4) || w->g % MT_Q8B)
         return mt_linear(isa, nthreads, x, T, w, bias, y); /* outside the contract: exact */
-    const int64_t C = w->cols, nb = (C + 31) / 32;
-    int8_t *xq = mt_xalloc((size_t)(T * nb * 32));
+    const int64_t C = w->cols, nb = (C + MT_Q8B - 1) / MT_Q8B;
+    int8_t *xq = mt_xalloc((size_t)(T * nb * MT_Q8B));
     float *xs = mt_xalloc((size_t)(T * nb) * 4);
     int32_t *xsum = mt_xalloc((size_t)(T * nb) * 4);
     int rc = -1;
     if (xq && xs && xsum) {
-        memset(xq, 0, (size_t)(T * nb * 32));
+        memset(xq, 0, (size_t)(T * nb * MT_Q8B));
         for (int64_t t = 0; t < T; t++)
             for (int64_t b = 0; b < nb; b++) {
-                const float *xb = x + t * C + 32 * b;
-                const int64_t n = C - 32 * b < 32 ? C - 32 * b : 32;
+                const float *xb = x + t * C + MT_Q8B * b;
+                const int64_t n = C - MT_Q8B * b < MT_Q8B ? C - MT_Q8B * b : MT_Q8B;
                 float amax = 0.0f;
                 for (int64_t j = 0; j < n; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
                 const float sc = amax / 127.0f;
                 int32_t sum = 0;
                 for (int64_t j = 0; j < n; j++) {
                     const int32_t q = sc > 0.0f ? (int32_t)rintf(xb[j] / sc) : 0;
-                    xq[(t * nb + b) * 32 + q8_pos(w->dtype, j)] = (int8_t)q;
+                    xq[(t * nb + b) * MT_Q8B + q8_pos(w->dtype, j)] = (int8_t)q;
                     sum += q;
                 }
                 xs[t * nb + b] = sc;
@@ -281,7 +280,7 @@ static void attention_item(void *ctx, int64_t it) {
     const int64_t nh = rep - hg * a->hgroup < a->hgroup ? rep - hg * a->hgroup : a->hgroup;
     const int64_t n = a->qpos[t] + 1; /* keys 0..q_pos[t] */
     const int64_t stride = S + 16;
-    float *sc = mt_xalloc((size_t)(nh * stride) * 4);
+    float *sc = mt_scratch(5, (size_t)(nh * stride));
     if (!sc) {
         atomic_store(&a->failed, 1);
         return;
@@ -318,7 +317,6 @@ static void attention_item(void *ctx, int64_t it) {
             isa->pv(nb, p, a->v + kvh * dv, Hkv * dv, s0, s1, dv, o);
         }
     }
-    free(sc);
 }
 
 /* Causal attention of T query rows of one sequence; the work items are independent. */
@@ -335,4 +333,42 @@ int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k
     attn_ctx a = {isa, q, k, v, qpos, H, S, Hkv, dq, dv, rep, hgroup, ngroups, scale, out, 0};
     mt_pool_run(nthreads, T * Hkv * ngroups, attention_item, &a);
     return atomic_load(&a.failed) ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------- probes */
+
+#define PROBE_CHUNKS_PER_THREAD 8 /* small chunks: a thread that starts late takes fewer */
+
+typedef struct {
+    const mt_isa *isa;
+    int64_t rounds;
+    const uint8_t *p;
+    int64_t bytes, nchunks;
+    _Atomic uint64_t sum; /* read: checksum; fma: flops */
+} probe_ctx;
+
+static void fma_chunk(void *ctx, int64_t c) {
+    probe_ctx *k = ctx;
+    atomic_fetch_add(&k->sum, (uint64_t)k->isa->fma_probe(k->rounds, 1.0f + (float)c));
+}
+
+static void read_chunk(void *ctx, int64_t c) {
+    probe_ctx *k = ctx;
+    const int64_t per = (k->bytes / k->nchunks) & ~(int64_t)127;
+    const int64_t off = c * per, n = c == k->nchunks - 1 ? k->bytes - off : per;
+    atomic_fetch_add(&k->sum, k->isa->read_probe(k->p + off, n));
+}
+
+double mt_fma_probe(const mt_isa *isa, int nthreads, int64_t rounds) {
+    const int64_t nchunks = (int64_t)nthreads * PROBE_CHUNKS_PER_THREAD;
+    probe_ctx k = {isa, rounds, NULL, 0, nchunks, 0};
+    mt_pool_run(nthreads, nchunks, fma_chunk, &k);
+    return (double)atomic_load(&k.sum);
+}
+
+uint64_t mt_read_probe(const mt_isa *isa, int nthreads, const uint8_t *p, int64_t bytes) {
+    const int64_t nchunks = (int64_t)nthreads * PROBE_CHUNKS_PER_THREAD;
+    probe_ctx k = {isa, 0, p, bytes, nchunks, 0};
+    mt_pool_run(nthreads, nchunks, read_chunk, &k);
+    return atomic_load(&k.sum);
 }

@@ -22,10 +22,6 @@
 #define MT_AVX2_MANY_MIN 32 /* tokens from which the outer-product path beats the fused tiles */
 #endif
 
-#ifndef MT_AVX2_PREFETCH
-#define MT_AVX2_PREFETCH 512 /* bytes ahead in each weight row the decode kernel prefetches */
-#endif
-
 MT_AVX2 INLINE float hsum16(__m256 lo, __m256 hi) {
     const __m256 s8 = _mm256_add_ps(lo, hi);                                                  /* i, i+8 */
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1)); /* i, i+4 */
@@ -331,9 +327,19 @@ MT_AVX2 INLINE wrow row_of(const qmat *w, int64_t r) {
 
 /* Columns per scale group, and bytes per column step of 16 columns' prefetch offset. */
 #define GROUP_STEP(dtype, w) ((dtype) == DT_INT8 || (dtype) == DT_INT4 ? (w)->g : (int64_t)1 << 40)
-MT_AVX2 INLINE void prefetch_row(const int dtype, const uint8_t *rp, int64_t c) {
-    const int64_t off = dtype == DT_F32 ? 4 * c : dtype == DT_BF16 ? 2 * c : dtype == DT_INT8 ? c : c / 2;
-    _mm_prefetch((const char *)rp + off + MT_AVX2_PREFETCH, _MM_HINT_T0);
+MT_AVX2 INLINE int64_t col_bytes(const int dtype, int64_t c) {
+    return dtype == DT_F32 ? 4 * c : dtype == DT_BF16 ? 2 * c : dtype == DT_INT8 ? c : c / 2;
+}
+
+/* Hardware prefetchers do not ramp up within a row of a kilobyte or two, so the decode
+ * kernels fetch the same bytes of the rows one block (RB rows) ahead, a cache line at a
+ * time: while this block computes, the next one arrives. (Past the last row: a prefetch
+ * never faults.) */
+MT_AVX2 INLINE void prefetch_ahead(const int dtype, const uint8_t *rp, int64_t row_bytes, int64_t c) {
+    const int64_t off = col_bytes(dtype, c);
+    if ((off & 63) < col_bytes(dtype, 16))
+        for (int64_t b = off & ~(int64_t)63; b < off + col_bytes(dtype, 16); b += 64)
+            _mm_prefetch((const char *)rp + RB * row_bytes + b, _MM_HINT_T0);
 }
 
 /* 1 token x 4 rows: eight accumulator chains, enough to hide the fma latency. */
@@ -356,6 +362,10 @@ MT_AVX2 INLINE void fused_1x4(const int dtype, const qmat *w, const int64_t *row
             s2 = group_scale(dtype, p2.sp, gi);
             s3 = group_scale(dtype, p3.sp, gi);
         }
+        prefetch_ahead(dtype, p0.rp, w->row_bytes, c);
+        prefetch_ahead(dtype, p1.rp, w->row_bytes, c);
+        prefetch_ahead(dtype, p2.rp, w->row_bytes, c);
+        prefetch_ahead(dtype, p3.rp, w->row_bytes, c);
         __m256 w0, w1;
         chunk_w(dtype, p0.rp, c, s0, &w0, &w1);
         FMA2(0, w0, w1, _mm256_loadu_ps(x + c), _mm256_loadu_ps(x + c + 8));
@@ -403,10 +413,8 @@ MT_AVX2 INLINE void fused_2x2(const int dtype, const qmat *w, int64_t r0, int64_
             sp = group_scale(dtype, p.sp, gi);
             sq = group_scale(dtype, q.sp, gi);
         }
-        if ((c & 63) == 0) {
-            prefetch_row(dtype, p.rp, c);
-            prefetch_row(dtype, q.rp, c);
-        }
+        prefetch_ahead(dtype, p.rp, w->row_bytes, c);
+        prefetch_ahead(dtype, q.rp, w->row_bytes, c);
         __m256 w0, w1;
         chunk_w(dtype, p.rp, c, sp, &w0, &w1);
         FMA2(0, w0, w1, _mm256_loadu_ps(xa + c), _mm256_loadu_ps(xa + c + 8));
@@ -452,7 +460,7 @@ MT_AVX2 INLINE void fused_4x1(const int dtype, const int nt, const qmat *w, int6
             next += step;
             sp = group_scale(dtype, p.sp, gi);
         }
-        if ((c & 63) == 0) prefetch_row(dtype, p.rp, c);
+        prefetch_ahead(dtype, p.rp, w->row_bytes, c);
         __m256 w0, w1;
         chunk_w(dtype, p.rp, c, sp, &w0, &w1);
         FMA2(0, w0, w1, _mm256_loadu_ps(x0 + c), _mm256_loadu_ps(x0 + c + 8));
@@ -699,12 +707,12 @@ static int linear_many_avx2(int nthreads, const float *x, int64_t T, const qmat 
 }
 
 /* ---------------------------------------------------------------- int8 activations (lossy)
- * The int8-activation contract (mt.h) with vpmaddubsw: eight rows at a time, lane = row.
- * int4: a block's 16 bytes are broadcast to both halves of a register, the high half
- * shifted by 4, both masked: low half = the block's even columns, high half = its odd
- * ones, the order the activations were stored in; the nibbles (0..15) multiply the
- * activations exactly (pairs <= 2 * 15 * 127), and 8 * sum(xq) is subtracted after.
- * int8: |q| times xq with q's sign (pairs <= 2 * 127 * 127 < 2^15). */
+ * The int8-activation contract (mt.h) with vpmaddubsw: eight rows at a time, lane = row,
+ * one block of 64 columns per step. int4: a block's 32 bytes, masked (low nibbles: the
+ * block's even columns) and shifted then masked (high nibbles: its odd ones), the order
+ * the activations were stored in; the nibbles (0..15) multiply the activations exactly
+ * (i16 pairs <= 2 * 15 * 127, two added <= 7620), and 8 * sum(xq) is subtracted after.
+ * int8: |q| times xq with q's sign (pairs <= 2 * 127 * 127 < 2^15), in two halves. */
 
 /* eight vectors of eight int32 -> one vector of their eight sums (exact) */
 MT_AVX2 INLINE __m256i hsum8x8(const __m256i p[8]) {
@@ -714,16 +722,31 @@ MT_AVX2 INLINE __m256i hsum8x8(const __m256i p[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-MT_AVX2 static void q8_rows_avx2(const q8ctx *k, int64_t r0, int64_t n) {
-    const qmat *w = k->w;
-    const int64_t R = w->rows, nb = k->nb, gpb = w->g / 32; /* blocks per weight group */
-    const int int4 = w->dtype == DT_INT4;
-    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F), sh = _mm256_setr_epi64x(0, 0, 4, 4);
-    float *wsv = mt_scratch(3, (size_t)(w->ngroups * 8));
-    if (!wsv) { /* no memory for 8 scales per group: the generic loop needs none */
-        mt_q8_rows_generic(k, r0, n);
-        return;
+/* Block b's exact integer sums of eight rows (rp) with one token's activations xb. */
+MT_AVX2 INLINE __m256i q8_block(const int int4, const uint8_t *const *rp, int64_t b, const int8_t *xb) {
+    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
+    const __m256i X0 = _mm256_loadu_si256((const __m256i *)xb), X1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
+    __m256i p[8];
+    for (int i = 0; i < 8; i++) {
+        if (int4) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(rp[i] + b * 32));
+            const __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            p[i] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, X0), _mm256_maddubs_epi16(hi, X1)),
+                                     ones);
+        } else {
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(rp[i] + b * 64));
+            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(rp[i] + b * 64 + 32));
+            p[i] = _mm256_add_epi32(
+                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q0), _mm256_sign_epi8(X0, q0)), ones),
+                _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q1), _mm256_sign_epi8(X1, q1)), ones));
+        }
     }
+    return hsum8x8(p);
+}
+
+MT_AVX2 INLINE void q8_rows_dt(const int int4, const q8ctx *k, int64_t r0, int64_t n, float *wsv) {
+    const qmat *w = k->w;
+    const int64_t R = w->rows, nb = k->nb, gpb = w->g / MT_Q8B; /* blocks per weight group */
     for (int64_t g0 = r0; g0 < r0 + n; g0 += 8) {
         const int nr = (int)(r0 + n - g0 < 8 ? r0 + n - g0 : 8);
         const uint8_t *rp[8];
@@ -733,27 +756,18 @@ MT_AVX2 static void q8_rows_avx2(const q8ctx *k, int64_t r0, int64_t n) {
             for (int64_t gi = 0; gi < w->ngroups; gi++) wsv[gi * 8 + i] = _cvtsh_ss(w->scales[r * w->ngroups + gi]);
         }
         for (int64_t t = 0; t < k->T; t++) {
-            const int8_t *xq = k->xq + t * nb * 32;
+            const int8_t *xq = k->xq + t * nb * MT_Q8B;
+            const float *xs = k->xs + t * nb;
+            const int32_t *xsum = k->xsum + t * nb;
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const __m256i X = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
-                __m256i p[8];
-                for (int i = 0; i < 8; i++) {
-                    __m256i prod;
-                    if (int4) {
-                        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(rp[i] + b * 16)));
-                        prod = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srlv_epi64(v, sh), lo4), X);
-                    } else {
-                        const __m256i q = _mm256_loadu_si256((const __m256i *)(rp[i] + b * 32));
-                        prod = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(X, q));
-                    }
-                    p[i] = _mm256_madd_epi16(prod, ones);
+            for (int64_t b0 = 0, gi = 0; b0 < nb; b0 += gpb, gi++) {
+                const __m256 ws = _mm256_loadu_ps(wsv + gi * 8);
+                const int64_t b1 = b0 + gpb < nb ? b0 + gpb : nb;
+                for (int64_t b = b0; b < b1; b++) {
+                    __m256i isum = q8_block(int4, rp, b, xq + b * MT_Q8B);
+                    if (int4) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * xsum[b]));
+                    acc = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_set1_ps(xs[b])), _mm256_cvtepi32_ps(isum), acc);
                 }
-                __m256i isum = hsum8x8(p);
-                if (int4) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * k->xsum[t * nb + b]));
-                const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(wsv + (b / gpb) * 8),
-                                                _mm256_set1_ps(k->xs[t * nb + b]));
-                acc = _mm256_fmadd_ps(sc, _mm256_cvtepi32_ps(isum), acc);
             }
             float o[8];
             _mm256_storeu_ps(o, acc);
@@ -761,6 +775,16 @@ MT_AVX2 static void q8_rows_avx2(const q8ctx *k, int64_t r0, int64_t n) {
                 k->y[t * R + g0 + i] = k->bias ? o[i] + k->bias[g0 + i] : o[i];
         }
     }
+}
+
+MT_AVX2 static void q8_rows_avx2(const q8ctx *k, int64_t r0, int64_t n) {
+    float *wsv = mt_scratch(3, (size_t)(k->w->ngroups * 8));
+    if (!wsv) /* no memory for 8 scales per group: the generic loop needs none */
+        mt_q8_rows_generic(k, r0, n);
+    else if (k->w->dtype == DT_INT4)
+        q8_rows_dt(1, k, r0, n, wsv);
+    else
+        q8_rows_dt(0, k, r0, n, wsv);
 }
 
 /* ---------------------------------------------------------------- elementwise, sums, P.V */
@@ -845,6 +869,39 @@ MT_AVX2 static void pv_avx2(int nh, const float *const *p, const float *v, int64
     }
 }
 
+MT_AVX2 static double fma_probe_avx2(int64_t n, float seed) {
+    __m256 a0 = _mm256_set1_ps(seed), a1 = _mm256_add_ps(a0, a0), a2 = _mm256_add_ps(a1, a0);
+    __m256 a3 = _mm256_add_ps(a2, a0), a4 = _mm256_add_ps(a3, a0), a5 = _mm256_add_ps(a4, a0);
+    __m256 a6 = _mm256_add_ps(a5, a0), a7 = _mm256_add_ps(a6, a0), a8 = _mm256_add_ps(a7, a0);
+    __m256 a9 = _mm256_add_ps(a8, a0), a10 = _mm256_add_ps(a9, a0), a11 = _mm256_add_ps(a10, a0);
+    const __m256 b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+    for (int64_t k = 0; k < n; k++) {
+        a0 = _mm256_fmadd_ps(a0, b, c); a1 = _mm256_fmadd_ps(a1, b, c); a2 = _mm256_fmadd_ps(a2, b, c);
+        a3 = _mm256_fmadd_ps(a3, b, c); a4 = _mm256_fmadd_ps(a4, b, c); a5 = _mm256_fmadd_ps(a5, b, c);
+        a6 = _mm256_fmadd_ps(a6, b, c); a7 = _mm256_fmadd_ps(a7, b, c); a8 = _mm256_fmadd_ps(a8, b, c);
+        a9 = _mm256_fmadd_ps(a9, b, c); a10 = _mm256_fmadd_ps(a10, b, c); a11 = _mm256_fmadd_ps(a11, b, c);
+    }
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                                   _mm256_add_ps(_mm256_add_ps(a4, a5), _mm256_add_ps(a6, a7)));
+    volatile float sink = hsum16(s, _mm256_add_ps(_mm256_add_ps(a8, a9), _mm256_add_ps(a10, a11)));
+    (void)sink;
+    return 2.0 * 12 * 8 * (double)n;
+}
+
+MT_AVX2 static uint64_t read_probe_avx2(const uint8_t *p, int64_t bytes) {
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+    int64_t i = 0;
+    for (; i + 128 <= bytes; i += 128) {
+        s0 = _mm256_add_epi64(s0, _mm256_loadu_si256((const __m256i *)(p + i)));
+        s1 = _mm256_add_epi64(s1, _mm256_loadu_si256((const __m256i *)(p + i + 32)));
+        s2 = _mm256_add_epi64(s2, _mm256_loadu_si256((const __m256i *)(p + i + 64)));
+        s3 = _mm256_add_epi64(s3, _mm256_loadu_si256((const __m256i *)(p + i + 96)));
+    }
+    uint64_t o[4];
+    _mm256_storeu_si256((__m256i *)o, _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3)));
+    return o[0] + o[1] + o[2] + o[3];
+}
+
 static int cpu_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
@@ -862,5 +919,7 @@ const mt_isa mt_isa_avx2 = {
     .exp_shift = exp_shift_avx2,
     .swiglu = swiglu_avx2,
     .pv = pv_avx2,
+    .fma_probe = fma_probe_avx2,
+    .read_probe = read_probe_avx2,
 };
 #endif

@@ -367,6 +367,33 @@ static void linear_block_avx512(const linear_ctx *k, int64_t r0, float *buf) {
         for (int i = 0; i < nr; i++) k->y[j * R + r0 + i] = k->bias ? res[j][i] + k->bias[r0 + i] : res[j][i];
 }
 
+MT_AVX512 static double fma_probe_avx512(int64_t n, float seed) {
+    __m512 a[12];
+    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps(seed + (float)i);
+    const __m512 b = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+    for (int64_t k = 0; k < n; k++) {
+        a[0] = _mm512_fmadd_ps(a[0], b, c); a[1] = _mm512_fmadd_ps(a[1], b, c); a[2] = _mm512_fmadd_ps(a[2], b, c);
+        a[3] = _mm512_fmadd_ps(a[3], b, c); a[4] = _mm512_fmadd_ps(a[4], b, c); a[5] = _mm512_fmadd_ps(a[5], b, c);
+        a[6] = _mm512_fmadd_ps(a[6], b, c); a[7] = _mm512_fmadd_ps(a[7], b, c); a[8] = _mm512_fmadd_ps(a[8], b, c);
+        a[9] = _mm512_fmadd_ps(a[9], b, c); a[10] = _mm512_fmadd_ps(a[10], b, c); a[11] = _mm512_fmadd_ps(a[11], b, c);
+    }
+    __m512 s = a[0];
+    for (int i = 1; i < 12; i++) s = _mm512_add_ps(s, a[i]);
+    volatile float sink = hsum16_avx512(s);
+    (void)sink;
+    return 2.0 * 12 * 16 * (double)n;
+}
+
+MT_AVX512 static uint64_t read_probe_avx512(const uint8_t *p, int64_t bytes) {
+    __m512i s0 = _mm512_setzero_si512(), s1 = s0;
+    int64_t i = 0;
+    for (; i + 128 <= bytes; i += 128) {
+        s0 = _mm512_add_epi64(s0, _mm512_loadu_si512((const void *)(p + i)));
+        s1 = _mm512_add_epi64(s1, _mm512_loadu_si512((const void *)(p + i + 64)));
+    }
+    return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(s0, s1));
+}
+
 const mt_isa mt_isa_avx512 = {
     .name = "avx512",
     .supported = cpu_avx512,
@@ -376,5 +403,7 @@ const mt_isa mt_isa_avx512 = {
     .exp_shift = exp_shift_avx512,
     .swiglu = swiglu_avx512,
     .pv = pv_avx512,
+    .fma_probe = fma_probe_avx512,
+    .read_probe = read_probe_avx512,
 };
 #endif
