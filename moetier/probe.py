@@ -64,9 +64,9 @@ def kernel_gbps(experts: list[ExpertWeights], batch: int = 1, seconds: float = 1
         for w in experts:
             ops.expert_ffn(x, w)
             done += w.nbytes
-        elapsed = time.perf_counter() - t0
-        if elapsed >= seconds:
-            return KernelRate(ops.backend, ops.threads, batch, done / elapsed / 1e9)
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds:
+                return KernelRate(ops.backend, ops.threads, batch, done / elapsed / 1e9)
 
 
 @dataclass(frozen=True)

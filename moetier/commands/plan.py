@@ -117,7 +117,7 @@ def machine_of(args: argparse.Namespace, settings: Settings, costs: ModelCosts, 
     if b1 is None or b16 is None:
         layout = probe.record_layout(*_expert_shape(args, model))
         experts = probe.random_experts(layout.parts[0].shape[1], layout.parts[0].shape[0], layout.parts[0].dtype,
-                                       layout.parts[0].group_size, max(256 << 20, 4 * layout.used_bytes))
+                                       layout.parts[0].group_size, max(64 << 20, 4 * layout.used_bytes))
         r1 = probe.kernel_gbps(experts, 1, 1.0)
         r16 = probe.kernel_gbps(experts, PREFILL_ROWS, 1.0)
         b1 = b1 or r1.gbps
@@ -187,7 +187,7 @@ def print_plan(what: str, p: Plan, out: Any = sys.stdout) -> None:
     m, pl, c = p.machine, p.placement, p.costs
     w = out.write
     w(f"plan: {what}, on {_gb(m.ram_bytes)} of RAM\n")
-    disks = " + ".join(f"{d.gbps:g} GB/s" + ("" if i == 0 else f" (mirror, {d.holds:.0%} of the records)")
+    disks = " + ".join(f"{d.gbps:.2f} GB/s" + ("" if i == 0 else f" (mirror, {d.holds:.0%} of the records)")
                        for i, d in enumerate(m.disks))
     w(f"machine: disks {disks} [{m.sources['disks']}]; memory {m.memory_gbps:.1f} GB/s [{m.sources['memory']}]; "
       f"kernels {m.compute_gbps or 0:.2f} GB/s at batch 1, {m.compute_gbps_batched or 0:.2f} at batch "
