@@ -151,6 +151,21 @@ def simulate(trace: Trace, costs: ModelCosts, rates: Rates, *, capacity: int, po
     return Simulation(cold, warm, cap, policy, recall)
 
 
+def replay_requests(trace: Trace, costs: ModelCosts, rates: Rates, *, capacity: int, policy: str = "lru",
+                    recall: float = 0.0, requests: int = 2, prompt_steps: int = 1) -> list[Phase]:
+    """`bench e2e`'s trial: one request's trace (its first `prompt_steps` steps the prompt, then
+    one step per decode token) sent `requests` times to one cache that starts empty. The prompt
+    steps fill the cache untimed (TTFT is not a decode step); each request's decode steps are a
+    Phase: the first cold, the next warm, as bench e2e reports them."""
+    layers = sorted({layer for step in trace for layer, _ in step})
+    cache = _Cache(policy, layers, costs.n_experts, max(1, min(capacity, len(layers) * costs.n_experts)))
+    out = []
+    for _ in range(requests):
+        _phase(cache, trace[:prompt_steps], costs, rates, recall)
+        out.append(_phase(cache, trace[prompt_steps:], costs, rates, recall))
+    return out
+
+
 def synthetic_trace(costs: ModelCosts, steps: int, seed: int = 0) -> Trace:
     """A batch-1 decode trace at the model's shape from the `temporal` generator with its
     documented defaults (moetier.store.trace.SynthSpec): the routing locality is its assumption."""

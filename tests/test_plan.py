@@ -125,3 +125,47 @@ def test_plan_a_container_measures_what_is_not_given(capsys: pytest.CaptureFixtu
     assert out["machine"]["disks"][0]["gbps"] > 0 and out["machine"]["compute_gbps"] > 0
     assert out["placement"]["experts_cached"] == out["model"]["moe_layers"] * out["model"]["n_experts"]
     assert out["warm"]["hit_rate"] == 1.0
+
+
+def test_calibration_replays_the_runs_requests(tmp_path: Path) -> None:
+    """A bench e2e run's figures in, the simulator's prediction beside its measurement out."""
+    from moetier.commands.simulate import calibrate
+    from moetier.simulate import replay_requests
+
+    m = write_container("tiny-qwen3_moe", tmp_path / "m", 0)
+    with Container.open(m) as c:
+        costs = ModelCosts.of(c.args, "m")
+        record = c.layout.record_bytes
+    trace = synthetic_trace(costs, 9, seed=2)  # one prompt step, then 8 decode steps
+
+    def system(s: float) -> dict:  # type: ignore[type-arg]
+        one = {"s_per_token": {"median": s}, "bound_s": {"median": s / 2}, "hit_rate": {"median": 0.5},
+               "prefetch_recall": {"median": 0.25}}
+        return {"cold": one, "warm": one}
+
+    run = {"name": "e2e", "_file": "run.json", "model": str(m), "budget_bytes": 6 * record, "policy": "lru",
+           "record_bytes": record, "prompt_tokens": 5, "tokens": 9, "fio_gbps": {"median": 1.5},
+           "memory_gbps": {"median": 12.0}, "engine": system(0.01), "cluster": system(0.02)}
+    rows = calibrate(run, trace)
+    assert [(r["system"], r["request"]) for r in rows] == [("engine", "cold"), ("engine", "warm"),
+                                                          ("cluster", "cold"), ("cluster", "warm")]
+    cold, warm = replay_requests(trace, costs, Rates((Disk(1.5),), 12.0), capacity=6, policy="lru", recall=0.25)
+    for r, ph in zip(rows, (cold, warm, cold, warm), strict=True):
+        assert r["bound_s"] == ph.bound_s and r["hit_rate"] == ph.hit_rate
+        assert r["error_bound"] == pytest.approx(ph.bound_s / r["measured_s"] - 1)
+    assert warm.hit_rate >= cold.hit_rate
+    with pytest.raises(Exception, match="not the model that run used"):
+        calibrate({**run, "record_bytes": record + 4096}, trace)
+
+
+def test_simulate_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yml"
+    cfg.write_text(f"data_dir: {tmp_path}\n")
+    base = ["simulate", "--preset", "mini-glm", "--disk-gbps", "2", "--memory-gbps", "200", "--compute-gbps", "200",
+            "--compute-gbps-batched", "10", "--tokens", "8", "--policy", "lru", "--config", str(cfg), "--json"]
+    assert main([*base, "--cache", "10%"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    assert main([*base, "--cache", "100%"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert full["warm"]["hit_rate"] == 1.0 and small["warm"]["hit_rate"] < 1.0
+    assert full["experts_cached"] == 26 * 64 and full["warm"]["tok_s"] > small["warm"]["tok_s"]
