@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in _modules(commands):
         mod.register(sub)
+    from moetier.commands._env import describe
+
+    describe(sub)  # each command's --help ends with its settings' environment variables
     return parser
 
 

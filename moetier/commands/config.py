@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from moetier.settings import Settings, load_settings
+from moetier.settings import Settings, load_settings, merge_flags
 
 
 def reference_markdown() -> str:
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.reference:
         print(reference_markdown())
         return 0
-    settings = Settings() if args.defaults else load_settings(args.config)
+    settings = Settings() if args.defaults else load_settings(args.config, merge_flags(model__path=args.model))
     print(yaml.safe_dump(json.loads(settings.model_dump_json()), sort_keys=False), end="")
     return 0
 
@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p = sub.add_parser("config", help="print the effective settings (YAML) or the settings reference")
     p.add_argument("--config", type=Path, help="YAML config file")
+    p.add_argument("--model", type=Path, help="container directory (model.path), as every command takes it")
     p.add_argument("--defaults", action="store_true", help="print the defaults, ignoring env and files")
     p.add_argument("--reference", action="store_true", help="print the settings reference (markdown)")
     p.set_defaults(func=run)
