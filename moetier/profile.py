@@ -84,3 +84,25 @@ def save_profile(settings: Settings, prof: Profile) -> Path:
     tmp.write_text(json.dumps({"format": FORMAT, **asdict(prof)}, indent=2) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def apply_profile(settings: Settings) -> Settings:
+    """`settings` with the profile's storage choices where nothing (flag, environment, config
+    file) set them; unchanged without a profile for this machine."""
+    prof = load_profile(settings)
+    if prof is None:
+        return settings
+    st = settings.storage
+    given = st.model_fields_set
+    update = {k: v for k, v in (("queue_depth", prof.queue_depth), ("direct_io", prof.direct_io),
+                                ("prefetch_depth", prof.prefetch_depth)) if v is not None and k not in given}
+    if not update:
+        return settings
+    log.info("profile %s: %s", profile_path(settings), ", ".join(f"storage.{k}={v}" for k, v in update.items()))
+    return settings.model_copy(update={"storage": st.model_copy(update=update)})
+
+
+def profile_threads(settings: Settings) -> int | None:
+    """The dense worker's kernel threads from the profile (None: none saved, FastOps' default)."""
+    prof = load_profile(settings)
+    return None if prof is None else prof.kernel_threads

@@ -8,6 +8,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from moetier.profile import apply_profile
 from moetier.settings import Settings, address_from_bind, apply_kernel_settings, load_settings, merge_flags
 
 
@@ -19,6 +20,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
         model__path=args.model, expert_store__address=args.store, router__address=args.router,
         dense_worker__bind=args.bind, dense_worker__metrics_port=args.metrics_port, dense_worker__id=args.id))
     settings = address_from_bind(settings, "dense_worker", args.bind)
+    settings = apply_profile(settings)  # `moetier tune`'s choices where nothing else set them
     if settings.model.path is None:
         settings = settings.model_copy(update={"model": settings.model.model_copy(
             update={"path": model_dir(settings, None)})})

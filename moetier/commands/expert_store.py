@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from moetier.profile import apply_profile
 from moetier.settings import Settings, address_from_bind, apply_kernel_settings, load_settings, merge_flags
 
 
@@ -18,6 +19,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
         storage__queue_depth=args.queue_depth, router__address=args.router,
         expert_store__bind=args.bind, expert_store__metrics_port=args.metrics_port, expert_store__id=args.id))
     settings = address_from_bind(settings, "expert_store", args.bind)
+    settings = apply_profile(settings)  # `moetier tune`'s choices where nothing else set them
     return settings
 
 

@@ -24,6 +24,7 @@ from moetier.kernels.fast import FastOps, warmup
 from moetier.model.forward import Model
 from moetier.prefix import BLOCK
 from moetier.prefix_cache import PrefixCache, kv_identity
+from moetier.profile import profile_threads
 from moetier.settings import Settings, parse_bytes
 from moetier.text.grammar import GrammarCompiler
 from moetier.text.tokenizer import TextTokenizer
@@ -63,7 +64,8 @@ def _grammars(model_dir: Path, vocab_size: int) -> GrammarCompiler | None:
 
 class WorkerCore:
     def __init__(self, settings: Settings, *, threads: int | None = None) -> None:
-        """threads: kernel threads of the step (default: every CPU, as the in-process engine)."""
+        """threads: kernel threads of the step (default: the profile `moetier tune` saved, else every
+        CPU, as the in-process engine)."""
         if settings.model.path is None:
             raise InvalidArgument("the dense worker needs a model directory (--model or model.path)")
         self.settings = settings
@@ -77,7 +79,7 @@ class WorkerCore:
             self.experts = RemoteExperts(settings.expert_store.address, self.model_id,
                                          timeout_s=inf.expert_timeout_s, clock=self.clock,
                                          hidden_size=args.hidden_size)
-            self.ops = FastOps(threads=threads)
+            self.ops = FastOps(threads=threads if threads is not None else profile_threads(settings))
             self.model = Model(args, load_dense(self.container), self.ops, self.experts)
             instrument(self.model, self.clock)
             self.prefix = PrefixCache(args, self.model_id,
