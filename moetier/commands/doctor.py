@@ -17,12 +17,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from moetier.doctor import FAIL, OK, WARN, Check, client_snippets, run_checks
 from moetier.settings import load_settings, merge_flags
 
-MARK = {OK: "ok  ", WARN: "warn", FAIL: "FAIL"}
+if TYPE_CHECKING:  # moetier.doctor loads when the command runs (every `moetier` call builds the parser)
+    from moetier.doctor import Check
+
+MARK = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
 
 
 def register(sub: Any) -> None:
@@ -38,11 +40,13 @@ def register(sub: Any) -> None:
 
 
 def _line(c: Check) -> str:
-    fix = f"\n        fix: {c.fix}" if c.fix and c.status != OK else ""
+    fix = f"\n        fix: {c.fix}" if c.fix and c.status != "ok" else ""
     return f"{MARK[c.status]}  {c.group:<9} {c.name}: {c.message}{fix}"
 
 
 def run(args: argparse.Namespace) -> int:
+    from moetier.doctor import FAIL, WARN, client_snippets, run_checks
+
     settings = load_settings(args.config, merge_flags(model__path=args.model))
     model = settings.model.path.expanduser() if settings.model.path is not None else None
     show = None if args.json else (lambda c: print(_line(c), flush=True))

@@ -18,13 +18,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moetier.errors import InvalidArgument
-from moetier.perf import Disk, ModelCosts
-from moetier.planner import PREFILL_ROWS, Machine, Plan, plan
 from moetier.settings import Settings, load_settings, parse_bytes
-from moetier.weights.quant import QDType
+
+if TYPE_CHECKING:  # the modules themselves load when the command runs (every `moetier` call builds the parser)
+    from moetier.perf import ModelCosts
+    from moetier.planner import Machine, Plan
+    from moetier.weights.quant import QDType
 
 DEFAULT_OVERHEAD = "2GiB"  # the OS and the four services' interpreters at rest (printed; --overhead sets it)
 
@@ -46,7 +48,7 @@ def register(sub: Any) -> None:
     p.add_argument("--memory-gbps", type=float, help="memory bandwidth (default: profile, else measured now)")
     p.add_argument("--compute-gbps", type=float, help="kernels' expert GB/s at batch 1 (default: profile, else "
                    "measured now)")
-    p.add_argument("--compute-gbps-batched", type=float, help=f"the same at batch {PREFILL_ROWS} (prefill)")
+    p.add_argument("--compute-gbps-batched", type=float, help="the same at the prefill batch (moetier.planner.PREFILL_ROWS rows)")
     p.add_argument("--context", type=int, default=4096, help="tokens of KV to keep room for (default 4096)")
     p.add_argument("--batch", type=int, default=1, help="sequences sharing the KV budget (default 1)")
     p.add_argument("--tokens", type=int, default=64, help="decode tokens per simulated phase (default 64)")
@@ -61,6 +63,8 @@ def register(sub: Any) -> None:
 
 def costs_of(args: argparse.Namespace, settings: Settings) -> tuple[ModelCosts, Path | None, str]:
     """(the model's byte counts, its container directory or None, a description)."""
+    from moetier.perf import ModelCosts
+
     if args.preset:
         from moetier.convert.synth import PRESETS, preset_args
 
@@ -83,6 +87,8 @@ def costs_of(args: argparse.Namespace, settings: Settings) -> tuple[ModelCosts, 
 
 def machine_of(args: argparse.Namespace, settings: Settings, costs: ModelCosts, model: Path | None) -> Machine:
     from moetier import probe
+    from moetier.perf import Disk
+    from moetier.planner import PREFILL_ROWS, Machine
     from moetier.profile import load_profile
 
     prof = load_profile(settings)
@@ -152,6 +158,8 @@ def _mem_total() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moetier.planner import plan
+
     if min(args.context, args.batch, args.tokens, args.prompt_tokens) < 1:
         raise InvalidArgument("--context, --batch, --tokens and --prompt-tokens must be >= 1")
     settings = load_settings(args.config)
@@ -184,6 +192,8 @@ def _gb(b: float) -> str:
 
 
 def print_plan(what: str, p: Plan, out: Any = sys.stdout) -> None:
+    from moetier.planner import PREFILL_ROWS
+
     m, pl, c = p.machine, p.placement, p.costs
     w = out.write
     w(f"plan: {what}, on {_gb(m.ram_bytes)} of RAM\n")

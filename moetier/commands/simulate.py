@@ -24,9 +24,7 @@ from typing import Any
 
 from moetier.commands.plan import costs_of, machine_of
 from moetier.errors import InvalidArgument
-from moetier.perf import Disk, ModelCosts, Rates
 from moetier.settings import load_settings, resolve_budget
-from moetier.simulate import replay_requests, simulate, synthetic_trace
 
 
 def register(sub: Any) -> None:
@@ -58,6 +56,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moetier.simulate import simulate, synthetic_trace
+
     if args.calibrate:
         rows = [row for f in args.calibrate for row in calibrate(_load(f))]
         if args.json:
@@ -109,6 +109,8 @@ def _load(path: Path) -> dict[str, Any]:
 def calibrate(e2e: dict[str, Any], trace: Any = None) -> list[dict[str, Any]]:
     """Prediction beside measurement for one bench e2e run (see the module docstring); `trace`
     replaces the recorded routing of the run's requests (tests)."""
+    from moetier.perf import Disk, ModelCosts, Rates
+    from moetier.simulate import replay_requests
     from moetier.weights.container import Container
 
     model = Path(e2e["model"])
