@@ -191,9 +191,10 @@ def _gb(b: float) -> str:
     return f"{b / 1e9:.2f} GB"
 
 
-def print_plan(what: str, p: Plan, out: Any = sys.stdout) -> None:
+def print_plan(what: str, p: Plan, out: Any = None) -> None:
     from moetier.planner import PREFILL_ROWS
 
+    out = out or sys.stdout  # looked up now: a redirected stdout counts
     m, pl, c = p.machine, p.placement, p.costs
     w = out.write
     w(f"plan: {what}, on {_gb(m.ram_bytes)} of RAM\n")
