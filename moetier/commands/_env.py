@@ -14,16 +14,17 @@ from moetier.settings import Settings
 _SERVICE = ("data_dir", "heartbeat_interval_s", "member_expiry_s", "router")
 SECTIONS: dict[str, tuple[str, ...]] = {
     "router": ("router", "queue_capacity", *_SERVICE),
-    "dense-worker": ("model", "inference", "dense_worker", "expert_store", *_SERVICE),
-    "expert-store": ("model", "storage", "cache", "expert_store", *_SERVICE),
+    "dense-worker": ("model", "inference", "kernels", "dense_worker", "expert_store", *_SERVICE),
+    "expert-store": ("model", "storage", "cache", "kernels", "expert_store", *_SERVICE),
     "gateway": ("model", "gateway", *_SERVICE),
-    "generate": ("model", "inference", "data_dir"),
-    "logits": ("model", "data_dir"),
+    "generate": ("model", "inference", "kernels", "data_dir"),
+    "logits": ("model", "kernels", "data_dir"),
     "inspect": ("model", "data_dir"),
-    "doctor": ("model", "storage", "gateway", "router", "dense_worker", "expert_store", "data_dir"),
-    "plan": ("model", "cache", "storage", "data_dir"),
+    "doctor": ("model", "storage", "kernels", "gateway", "router", "dense_worker", "expert_store", "data_dir"),
+    "plan": ("model", "cache", "storage", "kernels", "data_dir"),
+    "tune": ("model", "storage", "cache", "kernels", "data_dir"),
     "simulate": ("model", "cache", "data_dir"),
-    "bench": ("model", "storage", "cache", "inference", "data_dir"),
+    "bench": ("model", "storage", "cache", "inference", "kernels", "data_dir"),
 }
 
 

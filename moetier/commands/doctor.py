@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moetier.settings import load_settings, merge_flags
+from moetier.settings import apply_kernel_settings, load_settings, merge_flags
 
 if TYPE_CHECKING:  # moetier.doctor loads when the command runs (every `moetier` call builds the parser)
     from moetier.doctor import Check
@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from moetier.doctor import FAIL, WARN, client_snippets, run_checks
 
     settings = load_settings(args.config, merge_flags(model__path=args.model))
+    apply_kernel_settings(settings)  # the kernel path the services will run (kernels.backend)
     model = settings.model.path.expanduser() if settings.model.path is not None else None
     show = None if args.json else (lambda c: print(_line(c), flush=True))
     checks = run_checks(settings, model, deep=args.deep, disk=not args.no_disk, kernels=not args.no_kernels,

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from moetier.settings import load_settings, merge_flags
+from moetier.settings import apply_kernel_settings, load_settings, merge_flags
 
 
 def register(sub: Any) -> None:
@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from moetier.tune import tune
 
     settings = load_settings(args.config, merge_flags(model__path=args.model))
+    apply_kernel_settings(settings)  # the kernel path the services will run (kernels.backend)
     model = model_dir(settings, args.model, say=not args.json)
 
     def say(line: str) -> None:
