@@ -148,10 +148,31 @@ def default_threads() -> int:
 
 
 def _f32(a: Any, name: str) -> F32:
+    if type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.aligned:
+        return a  # the common case, without np.require's cost (a decode step makes hundreds of calls)
     arr = np.asarray(a)
     if arr.dtype != np.float32:
         raise ValueError(f"{name} must be float32, got {arr.dtype} with shape {arr.shape}")
     return np.require(arr, np.float32, ["C", "A"])
+
+
+_SPEC = "_fastops_spec"  # where a QTensor keeps its checked shape and kernel spec (see _spec)
+
+
+def _spec(w: QTensor, name: str) -> tuple[int, int, tuple[int, np.ndarray, np.ndarray | None, int]]:
+    """(rows, cols, the kernels' weight spec), checked once per tensor: a QTensor is
+    immutable and its arrays are used in place (only a spec that needed no copy is kept, so
+    the kernels always read the tensor's own arrays)."""
+    got = w.__dict__.get(_SPEC)
+    if got is not None:
+        return got  # type: ignore[no-any-return]
+    rows, cols = _matrix_shape(w, name)
+    raw = _raw(w)
+    out = (rows, cols, raw)
+    same_scales = w.scales is None or (raw[2] is not None and raw[2].ctypes.data == w.scales.ctypes.data)
+    if raw[1] is w.data and same_scales:
+        w.__dict__[_SPEC] = out
+    return out
 
 
 def _matrix_shape(w: QTensor, name: str) -> tuple[int, int]:
@@ -190,9 +211,9 @@ def _raw(w: QTensor) -> tuple[int, np.ndarray, np.ndarray | None, int]:
 
 
 def _check_expert(w: ExpertWeights, e: int, d: int) -> int:
-    ig, dg = _matrix_shape(w.gate, f"expert {e} gate")
-    iu, du = _matrix_shape(w.up, f"expert {e} up")
-    dd, id_ = _matrix_shape(w.down, f"expert {e} down")
+    ig, dg, _ = _spec(w.gate, f"expert {e} gate")
+    iu, du, _ = _spec(w.up, f"expert {e} up")
+    dd, id_, _ = _spec(w.down, f"expert {e} down")
     if not (dg == du == dd == d and ig == iu == id_):
         raise ValueError(f"expert {e}: gate {w.gate.shape}, up {w.up.shape}, down {w.down.shape} "
                          f"do not fit x [T, {d}] (want gate/up [I, {d}], down [{d}, I])")
@@ -209,12 +230,12 @@ class _CBackend:
 
     def linear(self, x: F32, w: QTensor, bias: F32 | None, out: F32) -> None:
         t, c = x.shape
-        self.mod.linear(x, t, c, out.shape[1], _raw(w), bias, out, self.isa, self.threads, self.int8)
+        self.mod.linear(x, t, c, out.shape[1], _spec(w, "w")[2], bias, out, self.isa, self.threads, self.int8)
 
     def ffn(self, x: F32, w: ExpertWeights, out: F32) -> None:
         t, d = x.shape
-        self.mod.ffn(x, t, d, w.gate.shape[0], _raw(w.gate), _raw(w.up), _raw(w.down), out, self.isa,
-                     self.threads, self.int8)
+        self.mod.ffn(x, t, d, w.gate.shape[0], _spec(w.gate, "gate")[2], _spec(w.up, "up")[2],
+                     _spec(w.down, "down")[2], out, self.isa, self.threads, self.int8)
 
     def rmsnorm(self, x: F32, weight: F32, eps: float, out: F32) -> None:
         self.mod.rmsnorm(x, x.shape[0], x.shape[1], weight, eps, out, self.isa)
@@ -313,7 +334,7 @@ class FastOps:
     def linear(self, x: F32, w: QTensor, bias: F32 | None = None) -> F32:
         """x [T, C] @ w[R, C].T (+ bias [R]) -> [T, R]."""
         x = _f32(x, "x")
-        rows, cols = _matrix_shape(w, "w")
+        rows, cols, _ = _spec(w, "w")
         if x.ndim != 2 or x.shape[1] != cols:
             raise ValueError(f"linear: x {x.shape} does not fit w {w.shape} (want x [T, {cols}])")
         if bias is not None:

@@ -370,6 +370,27 @@ static float sum_neon(const float *a, int64_t n) {
     return hsum16(acc[0], acc[1], acc[2], acc[3]);
 }
 
+static float max_neon(const float *a, int64_t n) {
+    float32x4_t m = vdupq_n_f32(-INFINITY);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t x = vld1q_f32(a + i);
+        m = vbslq_f32(vcgtq_f32(x, m), x, m);
+    }
+    float l[4], r = -INFINITY;
+    vst1q_f32(l, m);
+    for (int j = 0; j < 4; j++) r = l[j] > r ? l[j] : r;
+    for (; i < n; i++) r = a[i] > r ? a[i] : r;
+    return r;
+}
+
+static void divide_neon(float *y, float d, int64_t n) {
+    const float32x4_t dv = vdupq_n_f32(d);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vdivq_f32(vld1q_f32(y + i), dv));
+    for (; i < n; i++) y[i] = y[i] / d;
+}
+
 static void pv_neon(int nh, const float *const *p, const float *v, int64_t vstride, int64_t s0, int64_t s1,
                     int64_t dv, float *const *acc) {
     const int64_t dfull = dv & ~(int64_t)15;
@@ -430,6 +451,8 @@ const mt_isa mt_isa_neon = {
     .linear_block = linear_block_neon,
     .tile = tile_neon,
     .sum = sum_neon,
+    .max = max_neon,
+    .divide = divide_neon,
     .exp_shift = exp_shift_neon,
     .swiglu = swiglu_neon,
     .pv = pv_neon,

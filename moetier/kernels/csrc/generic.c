@@ -128,6 +128,16 @@ static float sum_generic(const float *a, int64_t n) {
     return mt_hsum16(acc);
 }
 
+static float max_generic(const float *a, int64_t n) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; i++) m = a[i] > m ? a[i] : m; /* exact in any order (up to the sign of 0) */
+    return m;
+}
+
+MT_CLONES static void divide_generic(float *y, float d, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = y[i] / d;
+}
+
 MT_CLONES static void exp_shift_generic(const float *x, float m, int64_t n, float *y) {
     for (int64_t i = 0; i < n; i++) y[i] = mt_exp(x[i] - m);
 }
@@ -181,6 +191,8 @@ const mt_isa mt_isa_generic = {
     .linear_block = linear_block_generic,
     .tile = tile_generic,
     .sum = sum_generic,
+    .max = max_generic,
+    .divide = divide_generic,
     .exp_shift = exp_shift_generic,
     .swiglu = swiglu_generic,
     .pv = pv_generic,

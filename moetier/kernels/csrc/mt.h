@@ -138,6 +138,8 @@ typedef struct mt_isa {
     uint64_t (*read_probe)(const uint8_t *p, int64_t bytes);
     tile_fn tile;
     float (*sum)(const float *a, int64_t n);
+    float (*max)(const float *a, int64_t n);                        /* -inf for n = 0; NaN never wins */
+    void (*divide)(float *y, float d, int64_t n);                   /* y = y / d */
     void (*exp_shift)(const float *x, float m, int64_t n, float *y); /* y = exp(x - m) */
     void (*swiglu)(float *g, const float *u, int64_t n);             /* g = (g / (1 + exp(-g))) * u */
     /* acc[h][d] = fma(p[h][s], v[s][d], acc[h][d]) for s in [s0, s1) increasing, h < nh <= 4 */
@@ -222,9 +224,9 @@ float mt_hsum16(const float *a);
 
 void *mt_xalloc(size_t bytes);
 /* A per-thread buffer of at least `floats` floats, kept for the thread's next calls (slots
- * 0..5 are independent buffers, each used by one kernel: 0-2 the outer-product panels,
- * 3 the int8-activation scales, 4 linear row blocks, 5 attention scores); NULL when out of
- * memory. */
+ * 0..7 are independent buffers, each used by one kernel: 0-2 the outer-product panels,
+ * 3 the int8-activation scales, 4 linear row blocks, 5 attention scores of one token,
+ * 6-7 the queries and scores of a block of tokens); NULL when out of memory. */
 float *mt_scratch(int slot, size_t floats);
 int64_t mt_rowbuf_len(const qmat *w);
 int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,

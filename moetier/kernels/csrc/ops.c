@@ -44,7 +44,7 @@ void *mt_xalloc(size_t bytes) {
     return p;
 }
 
-#define SCRATCH_SLOTS 6
+#define SCRATCH_SLOTS 8
 typedef struct {
     float *p[SCRATCH_SLOTS];
     size_t n[SCRATCH_SLOTS];
@@ -61,6 +61,7 @@ static void scratch_free(void *v) {
 static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
 
 float *mt_scratch(int slot, size_t floats) {
+    if (slot < 0 || slot >= SCRATCH_SLOTS) return NULL;
     pthread_once(&scratch_once, scratch_init);
     scratch_t *s = pthread_getspecific(scratch_key);
     if (!s) {
@@ -247,11 +248,9 @@ void mt_rmsnorm(const mt_isa *isa, const float *x, int64_t T, int64_t C, const f
 }
 
 void mt_softmax_row(const mt_isa *isa, const float *x, int64_t n, float *y) {
-    float m = -INFINITY;
-    for (int64_t i = 0; i < n; i++) m = x[i] > m ? x[i] : m; /* max: exact in any order */
+    const float m = isa->max(x, n); /* exact in any order (a sign of 0 cannot change x - m's exp) */
     isa->exp_shift(x, m, n, y);
-    const float s = isa->sum(y, n);
-    for (int64_t i = 0; i < n; i++) y[i] = y[i] / s;
+    isa->divide(y, isa->sum(y, n), n);
 }
 
 /* ---------------------------------------------------------------- attention */
@@ -264,9 +263,15 @@ typedef struct {
     float scale;
     float *out;
     atomic_int failed;
+    int64_t T, tbk; /* tokens, tokens per block (the many-row path) */
 } attn_ctx;
 
-#define ATT_SB 128 /* keys per block of the P.V pass: the block of V stays in L2 across heads */
+#define ATT_BLOCK_QUERIES 32 /* query vectors per block of the many-row path */
+
+/* keys per block of the P.V pass: the block of V (32 keys x dv floats) stays in L1 while
+ * every group of heads and every slice of dv passes over it (at 128 keys and MLA's dv of
+ * 128-512 it spilled to L2 and P.V ran at a third of the fma rate) */
+#define ATT_SB 32
 
 /* One work item = (t, kv head, group of query heads of that kv head). Each key block is
  * loaded once and used by every head of the group (the MLA decode case: up to 128 heads
@@ -319,18 +324,85 @@ static void attention_item(void *ctx, int64_t it) {
     }
 }
 
+/* Many query rows (prefill): one work item = (a block of tbk tokens, kv head). Its query
+ * vectors (tbk tokens x the kv head's query heads) meet the keys in one linear call --
+ * scores[i][s] = dot(q_i, k_s, dq), the same dot as the one-token path, on the kernels
+ * that make many rows fast -- then each row's softmax over its own visible keys, then
+ * P.V in key blocks that every query vector of the block passes over while the block of V
+ * stays in L1. Each query vector sees exactly the operations of the one-token path. */
+static void attention_block(void *ctx, int64_t it) {
+    attn_ctx *a = ctx;
+    const mt_isa *isa = a->isa;
+    const int64_t H = a->H, Hkv = a->Hkv, dq = a->dq, dv = a->dv, rep = a->rep;
+    const int64_t tb0 = (it / Hkv) * a->tbk, kvh = it % Hkv;
+    const int64_t nt = a->T - tb0 < a->tbk ? a->T - tb0 : a->tbk, nq = nt * rep;
+    int64_t nmax = 0;
+    for (int64_t j = 0; j < nt; j++) nmax = a->qpos[tb0 + j] + 1 > nmax ? a->qpos[tb0 + j] + 1 : nmax;
+    float *qb = mt_scratch(6, (size_t)(nq * dq)), *sc = mt_scratch(7, (size_t)(nq * nmax + 16));
+    if (!qb || !sc) {
+        atomic_store(&a->failed, 1);
+        return;
+    }
+    for (int64_t j = 0; j < nt; j++) /* row j * rep + r: token tb0 + j, head kvh * rep + r */
+        memcpy(qb + j * rep * dq, a->q + ((tb0 + j) * H + kvh * rep) * dq, (size_t)(rep * dq) * 4);
+    qmat K;
+    memset(&K, 0, sizeof(K));
+    K.dtype = DT_F32;
+    K.data = (const uint8_t *)(a->k + kvh * dq);
+    K.row_bytes = Hkv * dq * 4;
+    K.rows = nmax;
+    K.cols = dq;
+    if (mt_linear(isa, 1, qb, nq, &K, NULL, sc) != 0) {
+        atomic_store(&a->failed, 1);
+        return;
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        float *row = sc + i * nmax;
+        const int64_t n = a->qpos[tb0 + i / rep] + 1;
+        for (int64_t s = 0; s < n; s++) row[s] = row[s] * a->scale;
+        mt_softmax_row(isa, row, n, row);
+    }
+    for (int64_t j = 0; j < nt; j++) memset(a->out + ((tb0 + j) * H + kvh * rep) * dv, 0, (size_t)(rep * dv) * 4);
+    for (int64_t s0 = 0; s0 < nmax; s0 += ATT_SB)
+        for (int64_t j = 0; j < nt; j++) {
+            const int64_t n = a->qpos[tb0 + j] + 1;
+            if (n <= s0) continue;
+            const int64_t s1 = s0 + ATT_SB < n ? s0 + ATT_SB : n;
+            for (int64_t hb = 0; hb < rep; hb += 4) {
+                const int nb = (int)(rep - hb < 4 ? rep - hb : 4);
+                const float *p[4];
+                float *o[4];
+                for (int i = 0; i < 4; i++) {
+                    const int64_t h = hb + (i < nb ? i : 0);
+                    p[i] = sc + (j * rep + h) * nmax;
+                    o[i] = a->out + ((tb0 + j) * H + kvh * rep + h) * dv;
+                }
+                isa->pv(nb, p, a->v + kvh * dv, Hkv * dv, s0, s1, dv, o);
+            }
+        }
+}
+
 /* Causal attention of T query rows of one sequence; the work items are independent. */
 int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k, const float *v,
                  const int64_t *qpos, int64_t T, int64_t H, int64_t S, int64_t Hkv, int64_t dq, int64_t dv,
                  float scale, float *out) {
     const int64_t rep = H / Hkv;
+    if (T > 1) {
+        /* blocks of at least ATT_BLOCK_QUERIES query vectors, as many blocks as threads */
+        int64_t tbk = (ATT_BLOCK_QUERIES + rep - 1) / rep;
+        if (tbk > T) tbk = T;
+        while (tbk > 1 && ((T + tbk - 1) / tbk) * Hkv < nthreads) tbk = (tbk + 1) / 2;
+        attn_ctx a = {isa, q, k, v, qpos, H, S, Hkv, dq, dv, rep, 0, 0, scale, out, 0, T, tbk};
+        mt_pool_run(nthreads, ((T + tbk - 1) / tbk) * Hkv, attention_block, &a);
+        return atomic_load(&a.failed) ? -1 : 0;
+    }
     /* split a kv head's query heads only as far as needed to give every thread work */
     int64_t splits = 1;
     while (T * Hkv * splits < nthreads && splits < (rep + 3) / 4) splits++;
     int64_t hgroup = (rep + splits - 1) / splits;
     hgroup = (hgroup + 3) / 4 * 4;
     const int64_t ngroups = (rep + hgroup - 1) / hgroup;
-    attn_ctx a = {isa, q, k, v, qpos, H, S, Hkv, dq, dv, rep, hgroup, ngroups, scale, out, 0};
+    attn_ctx a = {isa, q, k, v, qpos, H, S, Hkv, dq, dv, rep, hgroup, ngroups, scale, out, 0, T, 1};
     mt_pool_run(nthreads, T * Hkv * ngroups, attention_item, &a);
     return atomic_load(&a.failed) ? -1 : 0;
 }

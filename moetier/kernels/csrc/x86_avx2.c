@@ -845,28 +845,89 @@ MT_AVX2 static float sum_avx2(const float *a, int64_t n) {
     return hsum16(lo, hi);
 }
 
-/* 4 heads x 3 registers of 8 values (24 d) per pass; s runs innermost, in order. */
+MT_AVX2 static float max_avx2(const float *a, int64_t n) {
+    /* lane-wise m = x > m ? x : m (NaN never wins), then the lanes the same way */
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(a + i);
+        m = _mm256_blendv_ps(m, x, _mm256_cmp_ps(x, m, _CMP_GT_OQ));
+    }
+    float l[8], r = -INFINITY;
+    _mm256_storeu_ps(l, m);
+    for (int j = 0; j < 8; j++) r = l[j] > r ? l[j] : r;
+    for (; i < n; i++) r = a[i] > r ? a[i] : r;
+    return r;
+}
+
+MT_AVX2 static void divide_avx2(float *y, float d, int64_t n) {
+    const __m256 dv = _mm256_set1_ps(d);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_div_ps(_mm256_loadu_ps(y + i), dv));
+    for (; i < n; i++) y[i] = y[i] / d;
+}
+
+/* acc[h][d0 .. d0 + 8 NC) over s in [s0, s1), increasing, for NH heads: NC registers of 8
+ * values each (twelve accumulators at 4 x 3, all named variables: in an array the compiler
+ * keeps them in memory and every fma waits for a store), v's registers shared by the
+ * heads, each head's p[s] broadcast. Whole registers load and store plainly; the last
+ * register of a row whose width is not a multiple of 8 is masked (tail = its lanes). */
+#define PV_LD(h, c)                                                                                        \
+    __m256 a##h##c = _mm256_setzero_ps();                                                                  \
+    if (NH_ > h && NC_ > c)                                                                                \
+        a##h##c = (c == NC_ - 1 && tail) ? _mm256_maskload_ps(acc[h] + d0 + 8 * c, mt)                    \
+                                         : _mm256_loadu_ps(acc[h] + d0 + 8 * c);
+#define PV_ST(h, c)                                                                                        \
+    if (NH_ > h && NC_ > c) {                                                                              \
+        if (c == NC_ - 1 && tail)                                                                          \
+            _mm256_maskstore_ps(acc[h] + d0 + 8 * c, mt, a##h##c);                                         \
+        else                                                                                               \
+            _mm256_storeu_ps(acc[h] + d0 + 8 * c, a##h##c);                                                \
+    }
+#define PV_STEP(h)                                                                                         \
+    if (NH_ > h) {                                                                                         \
+        const __m256 ps = _mm256_broadcast_ss(p[h] + s);                                                   \
+        a##h##0 = _mm256_fmadd_ps(ps, v0, a##h##0);                                                        \
+        if (NC_ > 1) a##h##1 = _mm256_fmadd_ps(ps, v1, a##h##1);                                           \
+        if (NC_ > 2) a##h##2 = _mm256_fmadd_ps(ps, v2, a##h##2);                                           \
+    }
+#define PV_MK(NH, NC)                                                                                      \
+    MT_AVX2 static void pv_mk_##NH##_##NC(const float *const *p, const float *v, int64_t vstride,           \
+                                          int64_t s0, int64_t s1, int64_t d0, int tail, float *const *acc) { \
+        const int NH_ = NH, NC_ = NC;                                                                      \
+        const __m256i mt = lane_mask(tail);                                                                \
+        PV_LD(0, 0) PV_LD(0, 1) PV_LD(0, 2) PV_LD(1, 0) PV_LD(1, 1) PV_LD(1, 2)                            \
+        PV_LD(2, 0) PV_LD(2, 1) PV_LD(2, 2) PV_LD(3, 0) PV_LD(3, 1) PV_LD(3, 2)                            \
+        for (int64_t s = s0; s < s1; s++) {                                                                \
+            const float *vr = v + s * vstride + d0;                                                        \
+            const __m256 v0 = (NC_ == 1 && tail) ? _mm256_maskload_ps(vr, mt) : _mm256_loadu_ps(vr);      \
+            const __m256 v1 = NC_ < 2 ? v0 : (NC_ == 2 && tail) ? _mm256_maskload_ps(vr + 8, mt)           \
+                                                                 : _mm256_loadu_ps(vr + 8);                \
+            const __m256 v2 = NC_ < 3 ? v0 : tail ? _mm256_maskload_ps(vr + 16, mt) : _mm256_loadu_ps(vr + 16); \
+            PV_STEP(0) PV_STEP(1) PV_STEP(2) PV_STEP(3)                                                    \
+        }                                                                                                  \
+        PV_ST(0, 0) PV_ST(0, 1) PV_ST(0, 2) PV_ST(1, 0) PV_ST(1, 1) PV_ST(1, 2)                            \
+        PV_ST(2, 0) PV_ST(2, 1) PV_ST(2, 2) PV_ST(3, 0) PV_ST(3, 1) PV_ST(3, 2)                            \
+    }
+PV_MK(1, 1) PV_MK(1, 2) PV_MK(1, 3)
+PV_MK(2, 1) PV_MK(2, 2) PV_MK(2, 3)
+PV_MK(3, 1) PV_MK(3, 2) PV_MK(3, 3)
+PV_MK(4, 1) PV_MK(4, 2) PV_MK(4, 3)
+
+typedef void (*pv_fn)(const float *const *, const float *, int64_t, int64_t, int64_t, int64_t, int,
+                      float *const *);
+static const pv_fn pv_mks[4][3] = {{pv_mk_1_1, pv_mk_1_2, pv_mk_1_3}, {pv_mk_2_1, pv_mk_2_2, pv_mk_2_3},
+                                   {pv_mk_3_1, pv_mk_3_2, pv_mk_3_3}, {pv_mk_4_1, pv_mk_4_2, pv_mk_4_3}};
+
+/* acc[h][d] = fma(p[h][s], v[s][d], acc[h][d]) for s in [s0, s1), increasing: passes of 24
+ * values of d (12 accumulators for 4 heads), then the rest. */
 MT_AVX2 static void pv_avx2(int nh, const float *const *p, const float *v, int64_t vstride, int64_t s0,
                             int64_t s1, int64_t dv, float *const *acc) {
-    for (int64_t d0 = 0; d0 < dv; d0 += 24) {
-        __m256i mk[3];
-        for (int c = 0; c < 3; c++) mk[c] = lane_mask(dv - d0 - 8 * c);
-        __m256 a[4][3];
-        for (int h = 0; h < 4; h++)
-            for (int c = 0; c < 3; c++)
-                a[h][c] = h < nh ? _mm256_maskload_ps(acc[h] + d0 + 8 * c, mk[c]) : _mm256_setzero_ps();
-        for (int64_t s = s0; s < s1; s++) {
-            const float *vr = v + s * vstride + d0;
-            __m256 vv[3];
-            for (int c = 0; c < 3; c++) vv[c] = _mm256_maskload_ps(vr + 8 * c, mk[c]);
-            for (int h = 0; h < nh; h++) {
-                const __m256 ps = _mm256_broadcast_ss(p[h] + s);
-                for (int c = 0; c < 3; c++) a[h][c] = _mm256_fmadd_ps(ps, vv[c], a[h][c]);
-            }
-        }
-        for (int h = 0; h < nh; h++)
-            for (int c = 0; c < 3; c++) _mm256_maskstore_ps(acc[h] + d0 + 8 * c, mk[c], a[h][c]);
-    }
+    const pv_fn *mk = pv_mks[nh - 1];
+    int64_t d0 = 0;
+    for (; d0 + 24 <= dv; d0 += 24) mk[2](p, v, vstride, s0, s1, d0, 0, acc);
+    const int64_t left = dv - d0;
+    if (left > 0) mk[(left + 7) / 8 - 1](p, v, vstride, s0, s1, d0, (int)(left % 8), acc);
 }
 
 MT_AVX2 static double fma_probe_avx2(int64_t n, float seed) {
@@ -916,6 +977,8 @@ const mt_isa mt_isa_avx2 = {
     .q8_rows = q8_rows_avx2,
     .tile = tile_avx2,
     .sum = sum_avx2,
+    .max = max_avx2,
+    .divide = divide_avx2,
     .exp_shift = exp_shift_avx2,
     .swiglu = swiglu_avx2,
     .pv = pv_avx2,

@@ -394,12 +394,35 @@ MT_AVX512 static uint64_t read_probe_avx512(const uint8_t *p, int64_t bytes) {
     return (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(s0, s1));
 }
 
+MT_AVX512 static float max_avx512(const float *a, int64_t n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(a + i);
+        m = _mm512_mask_mov_ps(m, _mm512_cmp_ps_mask(x, m, _CMP_GT_OQ), x);
+    }
+    float l[16], r = -INFINITY;
+    _mm512_storeu_ps(l, m);
+    for (int j = 0; j < 16; j++) r = l[j] > r ? l[j] : r;
+    for (; i < n; i++) r = a[i] > r ? a[i] : r;
+    return r;
+}
+
+MT_AVX512 static void divide_avx512(float *y, float d, int64_t n) {
+    const __m512 dv = _mm512_set1_ps(d);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_div_ps(_mm512_loadu_ps(y + i), dv));
+    for (; i < n; i++) y[i] = y[i] / d;
+}
+
 const mt_isa mt_isa_avx512 = {
     .name = "avx512",
     .supported = cpu_avx512,
     .linear_block = linear_block_avx512,
     .tile = tile_avx512,
     .sum = sum_avx512,
+    .max = max_avx512,
+    .divide = divide_avx512,
     .exp_shift = exp_shift_avx512,
     .swiglu = swiglu_avx512,
     .pv = pv_avx512,
