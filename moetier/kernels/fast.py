@@ -163,9 +163,9 @@ def _spec(w: QTensor, name: str) -> tuple[int, int, tuple[int, np.ndarray, np.nd
     """(rows, cols, the kernels' weight spec), checked once per tensor: a QTensor is
     immutable and its arrays are used in place (only a spec that needed no copy is kept, so
     the kernels always read the tensor's own arrays)."""
-    got = w.__dict__.get(_SPEC)
+    got: tuple[int, int, tuple[int, np.ndarray, np.ndarray | None, int]] | None = w.__dict__.get(_SPEC)
     if got is not None:
-        return got  # type: ignore[no-any-return]
+        return got
     rows, cols = _matrix_shape(w, name)
     raw = _raw(w)
     out = (rows, cols, raw)
