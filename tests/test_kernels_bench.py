@@ -1,4 +1,4 @@
-"""`moetier bench compute` runs end to end and reports its figure beside memory bandwidth."""
+"""`moetier bench compute` runs end to end and reports its figures beside the memory read bandwidth and the FMA peak."""
 
 from __future__ import annotations
 
@@ -27,4 +27,4 @@ def test_bench_compute_text(capsys: pytest.CaptureFixture[str]) -> None:
                "--ref-experts", "1"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "memory bandwidth" in out and "ReferenceOps" in out
+    assert "memory read bandwidth" in out and "FMA peak" in out and "ReferenceOps" in out

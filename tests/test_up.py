@@ -34,13 +34,16 @@ from services.gateway.model import ServedModel
 pytestmark = pytest.mark.timeout(240)
 
 KEY = "test-key-7f3a"  # set through MOETIER_GATEWAY__API_KEY, as the docs advise
+CONTEXT = 4096  # inference.max_seq_len of this module's cluster
 MODEL = "demo"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    config, ports = write_config(tmp_path_factory.mktemp("up"))
+    # A context of CONTEXT positions (the demo model has more): the over-the-context cases stay
+    # short to tokenize and are refused before any prefill.
+    config, ports = write_config(tmp_path_factory.mktemp("up"), {"inference": {"max_seq_len": CONTEXT}})
     with moetier_up(config, ports, env={"MOETIER_GATEWAY__API_KEY": KEY}) as up:
         up.wait_up(180)
         yield up
@@ -164,7 +167,7 @@ BAD: list[tuple[str, dict[str, Any], int, str, str | None, str | None]] = [
     ("max_tokens over the context", {"json": {**CHAT, "max_tokens": 10**6}}, 400, "invalid_request_error",
      "context_length_exceeded", "messages"),
     ("prompt over the context", {"json": {**CHAT, "max_tokens": None,
-                                          "messages": [{"role": "user", "content": "word " * 5000}]}},
+                                          "messages": [{"role": "user", "content": "word " * (CONTEXT + 100)}]}},
      400, "invalid_request_error", "context_length_exceeded", "messages"),
     ("10 MB body", {"content": b'{"model": "demo", "messages": [], "pad": "' + b"x" * 10_000_000 + b'"}',
                     "headers": JSON}, 413, "invalid_request_error", "request_too_large", None),
@@ -198,7 +201,7 @@ def test_malformed_request_gets_its_status_and_the_envelope(
     if status == 401:
         assert r.headers["www-authenticate"] == "Bearer"
     if code == "context_length_exceeded":
-        assert "maximum context length is 4096 tokens" in err["message"]
+        assert f"maximum context length is {CONTEXT} tokens" in err["message"]
 
 
 def test_health_and_metrics_need_no_key(cluster: Up) -> None:
