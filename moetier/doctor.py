@@ -258,9 +258,9 @@ def check_device(model: Path) -> Check:
 
 def check_disk_speed(model: Path, settings: Settings) -> Check:
     from moetier import probe
-    from moetier.store.index import open_index
+    from moetier.weights.index import ExpertIndex
 
-    r = probe.disk_gbps(open_index(model), settings.storage.queue_depth, DISK_SECONDS)
+    r = probe.disk_gbps(ExpertIndex.load(model), settings.storage.queue_depth, DISK_SECONDS)
     data = asdict(r)
     how = "O_DIRECT" if r.direct else "buffered (the page cache may serve some)"
     msg = (f"random {how} reads of {r.record_bytes / 1e6:.2f} MB records at depth {r.depth}: {r.gbps:.2f} GB/s "

@@ -20,8 +20,8 @@ import numpy as np
 
 from moetier.kernels.fast import FastOps, warmup
 from moetier.store.buffers import Holder
-from moetier.store.index import ExpertIndex
 from moetier.store.io import IOEngine
+from moetier.weights.index import ExpertIndex
 from moetier.weights.layout import RecordLayout
 from moetier.weights.quant import ExpertWeights, QDType
 

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from moetier.perf import ModelCosts, Rates, step_bounds
-from moetier.store.index import ExpertKey
 from moetier.store.policy import make_policy
 from moetier.store.trace import SynthSpec, Trace, temporal_trace
+from moetier.weights.index import ExpertKey
 
 
 @dataclass(frozen=True)

@@ -84,9 +84,9 @@ def tune_threads(model: Path, seconds: float, say: Callable[[str], None]) -> tup
 
 
 def tune_depth(model: Path, default: int, seconds: float, say: Callable[[str], None]) -> tuple[Result, float]:
-    from moetier.store.index import open_index
+    from moetier.weights.index import ExpertIndex
 
-    index = open_index(model)
+    index = ExpertIndex.load(model)
     res = Result("storage.queue_depth", default, default, "GB/s of random record reads")
     for d in sorted({*DEPTHS, default}):
         r = probe.disk_gbps(index, d, seconds)
@@ -99,10 +99,10 @@ def tune_depth(model: Path, default: int, seconds: float, say: Callable[[str], N
 
 
 def tune_direct(model: Path, depth: int, seconds: float, say: Callable[[str], None]) -> Result:
-    from moetier.store.index import open_index
+    from moetier.weights.index import ExpertIndex
 
     res = Result("storage.direct_io", True, True, "GB/s of random record reads from a cold cache")
-    index = open_index(model)
+    index = ExpertIndex.load(model)
     r = probe.disk_gbps(index, depth, seconds)
     res.figures["True"] = r.gbps
     if not r.direct:
@@ -122,8 +122,8 @@ def tune_prefetch(settings: Settings, model: Path, default: int, tokens: int, th
     from moetier.model.forward import Model
     from moetier.model.sampling import SamplingParams
     from moetier.store.provider import TieredExperts
+    from moetier.store.tier import tier_config
     from moetier.weights.container import Container
-    from services.expert_store.core import tier_config
 
     res = Result("storage.prefetch_depth", default, default, "decode tok/s, in-process engine")
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from moetier.store.buffers import Buffer
 from moetier.store.copies import Copy
-from moetier.store.index import ExpertIndex, ExpertKey, RecordLocation
 from moetier.store.io import IOEngine
 from moetier.store.synth import write_records
+from moetier.weights.index import ExpertIndex, ExpertKey, RecordLocation
 
 REC = 8192  # record bytes of the test files (two 4 KiB blocks)
 

@@ -126,9 +126,12 @@ def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
             p = r[kind][phase]
             for key in ("ttft_s", "decode_tok_s", "s_per_token", "bound_s", "disk_bound_s", "memory_bound_s",
                         "hit_rate", "missed_mb_per_token", "touched_mb_per_token", "prefetch_recall", "expert_s",
-                        "hint_s", "read_wait_s", "rest_s"):
+                        "read_wait_s", "rest_s", "cpu_busy"):
                 assert set(p[key]) == {"median", "min", "max"}, key
             assert p["touched_mb_per_token"]["min"] > 0
-    assert set(r["cluster"]["warm"]["hops"]) == {"worker_step_s", "store_s", "store_load_s", "call_s", "rpc_hop_s",
-                                                 "stream_hop_s"}
-    assert r["cluster_processes"] is True  # the services each in a process of their own, as `moetier up`
+            assert p["cpu_busy"]["min"] >= 0  # CPU seconds / (decode seconds x CPUs), in clock ticks
+    hops = r["cluster"]["warm"]["hops"]
+    assert set(hops) == {"worker_step_s", "store_s", "store_load_s", "call_s", "rpc_hop_s", "rpc_hop_per_call_s",
+                         "calls_per_token", "stream_hop_s"}
+    cold = r["cluster"]["cold"]["hops"]  # the services' /metrics (the tiny model's decode is over within a scrape
+    assert cold["calls_per_token"]["max"] > 0 and cold["store_s"]["max"] > 0  # or two: the cold phase's counts)

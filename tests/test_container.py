@@ -62,7 +62,7 @@ def test_round_trip(tmp_path: Path, experts: QDType, dense: QDType) -> None:
             got, want = c.read_expert(li, e), _expert(li, e, experts)
             for a, b in zip((got.gate, got.up, got.down), (want.gate, want.up, want.down), strict=True):
                 assert np.array_equal(a.dequantize(), b.dequantize())
-            loc = c.index.location(li, e)
+            loc = c.index.location((li, e))
             assert loc.offset % RECORD_ALIGN == 0 and loc.length == c.layout.record_bytes
     assert c.expert_bytes == 8 * c.layout.record_bytes
     assert c.dense_names() == list(dense_shapes(ARGS))
@@ -98,9 +98,9 @@ def good(tmp_path: Path) -> Path:
 
 def test_flipped_byte_names_layer_expert_file_offset(good: Path) -> None:
     c = Container.open(good)
-    loc = c.index.location(2, 3)
+    loc = c.index.location((2, 3))
     c.close()
-    path = good / loc.file
+    path = good / "experts" / loc.path
     data = bytearray(path.read_bytes())
     data[loc.offset + 100] ^= 0x40
     path.write_bytes(bytes(data))
@@ -108,7 +108,7 @@ def test_flipped_byte_names_layer_expert_file_offset(good: Path) -> None:
     with pytest.raises(DataCorruption) as ei:
         c.read_expert(2, 3)
     msg = str(ei.value)
-    assert "layer 2 expert 3" in msg and loc.file in msg and f"offset {loc.offset}" in msg
+    assert "layer 2 expert 3" in msg and f"experts/{loc.path}" in msg and f"offset {loc.offset}" in msg
     c.read_expert(2, 2)  # neighbours are fine
     with pytest.raises(DataCorruption, match="layer 2 expert 3"):
         Container.open(good, verify=True)

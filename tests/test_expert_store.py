@@ -37,7 +37,7 @@ from moetier.store.stats import HEAT_RAM
 from moetier.store.tier import TierConfig
 from moetier.weights.container import Container
 from services.expert_store import metrics as metrics_module
-from services.expert_store.core import StoreCore
+from services.expert_store.core import COMPUTE_THREADS, ComputeBatch, StoreCore
 from services.expert_store.server import GRPC_OPTIONS, SERVICE_NAME, StoreServer, create_server
 
 pytestmark = pytest.mark.timeout(60)
@@ -175,15 +175,19 @@ async def test_single_flight_sixteen_calls_one_read(model: Path, tmp_path: Path)
         disk = Disk(st.core.tier.engine, hold=True)  # the first read waits at the gate
         calls = [asyncio.ensure_future(st.compute(2, x, ids, w)) for _ in range(16)]
         await asyncio.to_thread(disk.wait_active, 1)
-        for _ in range(500):  # until all 16 joined the one read in flight
-            if st.core.tier.stats().misses[2] == 16:
+        busy = min(16, COMPUTE_THREADS)  # the calls on a compute thread; the others queue for one
+        for _ in range(500):  # until every running call joined the one read in flight
+            if st.core.tier.stats().misses[2] == busy:
                 break
             await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert st.core.tier.stats().misses[2] == busy  # no call pinned twice, none read again
         disk.gate.set()
         results = await asyncio.gather(*calls)
         io = st.core.tier.stats().io
         assert io is not None and (io.submitted, io.reads, disk.reads()) == (1, 1, 1)
-        assert [(r.hits, r.misses) for r in results] == [(0, 1)] * 16
+        # those that waited for the read joined it; those queued behind them found the expert in RAM
+        assert sorted((r.hits, r.misses) for r in results) == [(0, 1)] * busy + [(1, 0)] * (16 - busy)
         want = expected(model, 2, x, ids, w)
         for r in results:
             assert np.array_equal(from_pb(r.output, "output"), want)
@@ -303,7 +307,7 @@ async def test_no_room_left_by_pinned_computes_is_resource_exhausted_with_the_nu
     """A union larger than the budget is computed in waves (test_expert_store_waves.py); what is
     refused is a wave that finds the budget pinned by running computes for pin_wait_s."""
     async with running(store_settings(model, tmp_path, model={"expert_cache": str(5 * REC)})) as st:
-        held = await st.core.tier.apin(1, [4, 5, 6, 7])  # a running compute's pins
+        held = await asyncio.to_thread(st.core.tier.pin, 1, [4, 5, 6, 7])  # a running compute's pins
         try:
             x, ids, w = batch(np.random.default_rng(6), 3, ids=[[0, 1], [2, 3], [3, 0]])
             err = await rpc_error(st.compute(1, x, ids, w))
@@ -537,13 +541,14 @@ async def test_metrics_are_documented_and_exposed(model: Path, tmp_path: Path) -
         assert st.metric("moetier_expert_store_misses_total", layer="1") == s.misses[1] > 0
 
 
-async def test_tier_apin_cancelled_while_waiting_for_room_pins_nothing(model: Path, tmp_path: Path) -> None:
-    """The store's acquire path (ExpertTier.apin): a call cancelled while it waits for other
-    computes to unpin leaves nothing pinned once the room it waited for comes."""
+async def test_compute_cancelled_while_waiting_for_room_pins_nothing(model: Path, tmp_path: Path) -> None:
+    """The store's compute path: a call cancelled while it waits (on the compute thread) for
+    other computes to unpin leaves nothing pinned once the room it waited for comes."""
     async with running(store_settings(model, tmp_path, model={"expert_cache": str(2 * REC)})) as st:
         tier = st.core.tier
-        held = await tier.apin(1, [0, 1])
-        waiting = asyncio.ensure_future(tier.apin(1, [2]))
+        held = await asyncio.to_thread(tier.pin, 1, [0, 1])
+        x, ids, w = batch(np.random.default_rng(15), 1, ids=[[2]])
+        waiting = asyncio.ensure_future(st.core.compute(ComputeBatch(1, x, ids, w)))
         await asyncio.sleep(0.2)  # it waits for room off the event loop (up to pin_wait_s, 1 s)
         assert not waiting.done()
         waiting.cancel()

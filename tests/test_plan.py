@@ -38,7 +38,7 @@ def test_the_bounds_are_bench_e2es() -> None:
 
     d = Counts(t=2.0, hits=300, misses=60, submitted=80, pf_issued=30, pf_useful=10)
     record, dense, fio, mem = 4 << 20, 100 << 20, 1.7, 19.0
-    ph = phase(d, 10, record, dense, fio, mem)
+    ph = phase(d, 10, record, dense, fio, mem, 2)
     b = step_bounds(ph.missed_bytes, ph.touched_bytes, Rates((Disk(fio),), mem))
     assert b.disk_s == pytest.approx(ph.disk_bound_s, rel=1e-12)
     assert b.memory_s == pytest.approx(ph.memory_bound_s, rel=1e-12) and b.bound_s == pytest.approx(ph.bound_s)

@@ -11,9 +11,9 @@ import pytest
 from helpers_store import REC, Disk, corrupt, file_bytes, records, restore, wait_for
 
 from moetier.errors import DataCorruption, InvalidArgument, NotFound
-from moetier.store.index import ExpertIndex
 from moetier.store.io import DEMAND, PREFETCH, IOEngine
 from moetier.store.tier import ExpertTier, TierConfig
+from moetier.weights.index import ExpertIndex
 
 
 @pytest.fixture
@@ -185,7 +185,7 @@ async def test_async_api_and_cancelled_awaiter_does_not_cancel_shared_read(index
             await a
         disk.gate.set()
         assert bytes((await b)[(2, 2)][:REC]) == file_bytes(index, (2, 2))
-        async with tier.aacquire(2, np.array([[2, 3], [3, 4]])) as ex:
+        with tier.acquire(2, np.array([[2, 3], [3, 4]])) as ex:
             assert sorted(ex) == [2, 3, 4]
         assert tier.stats().pinned_experts == 0
 

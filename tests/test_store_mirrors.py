@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from helpers_store import Disk, file_bytes, records
 
-from moetier.store.index import ExpertIndex
 from moetier.store.io import IOEngine
+from moetier.weights.index import ExpertIndex
 
 
 @pytest.fixture

@@ -16,13 +16,13 @@ from moetier.errors import ResourceExhausted
 from moetier.model.experts import DictExperts
 from moetier.model.forward import Model
 from moetier.model.ops import ReferenceOps
-from moetier.store.index import ExpertIndex
 from moetier.store.policy import make_policy
 from moetier.store.provider import TieredExperts
 from moetier.store.sim import simulate
 from moetier.store.stats import HEAT_DISK, HEAT_PINNED, HEAT_RAM
 from moetier.store.tier import ExpertTier, TierConfig
 from moetier.store.trace import SynthSpec, temporal_trace
+from moetier.weights.index import ExpertIndex
 
 
 @pytest.fixture

@@ -37,9 +37,10 @@ from typing import Any
 from moetier.bench import models
 from moetier.errors import InvalidArgument
 from moetier.store.buffers import Buffer, Holder
-from moetier.store.index import ExpertIndex, ExpertKey, open_index
 from moetier.store.io import IOEngine
 from moetier.store.synth import write_records
+from moetier.weights.container import Container
+from moetier.weights.index import ExpertIndex, ExpertKey
 
 log = logging.getLogger(__name__)
 TARGET = 0.85
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgument("--model reads a container's records; --synthetic and --dir a synthetic set")
         if not (args.synthetic or args.dir):
             model = models.resolve_model(args) if not args.model else Path(args.model)
-            index = open_index(model)
+            with Container.open(model) as c:
+                index = c.index
             source = f"container {model}"
         else:
             base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="moetier-bench-io-"))
@@ -111,7 +113,7 @@ def _synthetic(base: Path, n: int, record_bytes: int) -> ExpertIndex:
     per_file = 32
     layers = list(range(1, -(-n // per_file) + 1))
     try:
-        idx = open_index(base)
+        idx = ExpertIndex.load(base)
         if len(idx.records) == len(layers) * per_file and idx.record_bytes == record_bytes:
             return idx
     except Exception:

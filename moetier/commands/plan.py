@@ -100,9 +100,9 @@ def machine_of(args: argparse.Namespace, settings: Settings, costs: ModelCosts, 
     elif prof is not None and prof.disk_gbps:
         rates, src["disks"] = [prof.disk_gbps], "profile (moetier tune)"
     elif model is not None:
-        from moetier.store.index import open_index
+        from moetier.weights.index import ExpertIndex
 
-        r = probe.disk_gbps(open_index(model), settings.storage.queue_depth, seconds=3.0)
+        r = probe.disk_gbps(ExpertIndex.load(model), settings.storage.queue_depth, seconds=3.0)
         rates = [r.gbps]
         src["disks"] = f"measured now: 3 s of random {'O_DIRECT' if r.direct else 'buffered'} reads, depth {r.depth}"
     else:

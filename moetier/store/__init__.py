@@ -1,8 +1,8 @@
 """The expert tier: RAM budget + policies over an aligned, checksummed, mirrored NVMe reader.
 
 Used in-process (`TieredExperts`, the forward pass's expert provider) and by the
-expert-store service. Modules:
-    index     RecordLocation, ExpertIndex: where each expert record lives
+expert-store service, over the container's one expert index (moetier.weights.index:
+ExpertIndex, RecordLocation). Modules:
     io        IOEngine: O_DIRECT preadv worker pool, single-flight, checksums, priorities
     copies    primary + mirror directories: validation, weighted placement, degradation
     tier      ExpertTier: byte budget, pins (acquire), eviction, prefetch hints
@@ -12,7 +12,6 @@ expert-store service. Modules:
     trace     routing trace format and synthetic generators; sim: offline hit rates, Belady
 """
 
-from moetier.store.index import ExpertIndex, ExpertKey, RecordLocation
 from moetier.store.io import DEMAND, PREFETCH, IOEngine
 from moetier.store.stats import DiskStats, HeatSnapshot, Histogram, IOStats, TierStats
 from moetier.store.tier import ExpertTier, HintOutcome, Lease, TierConfig
@@ -21,8 +20,6 @@ __all__ = [
     "DEMAND",
     "PREFETCH",
     "DiskStats",
-    "ExpertIndex",
-    "ExpertKey",
     "ExpertTier",
     "HeatSnapshot",
     "HintOutcome",
@@ -30,7 +27,6 @@ __all__ = [
     "IOEngine",
     "IOStats",
     "Lease",
-    "RecordLocation",
     "TierConfig",
     "TierStats",
 ]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import math
 import os
@@ -37,8 +36,9 @@ import xxhash
 
 from moetier.errors import FormatError, NotFound
 from moetier.store.buffers import Buffer, alloc_aligned
-from moetier.store.index import ALIGN, ExpertIndex, ExpertKey, RecordLocation
 from moetier.store.stats import DiskStats
+from moetier.weights.format import RECORD_ALIGN
+from moetier.weights.index import ExpertIndex, ExpertKey, RecordLocation, read_identity
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def open_record_file(path: Path, direct: bool) -> tuple[int, bool, str]:
             reason = f"the filesystem refuses O_DIRECT ({e.strerror})"
         else:
             try:  # some filesystems accept the flag but fail the reads
-                probe = alloc_aligned(ALIGN)
+                probe = alloc_aligned(RECORD_ALIGN)
                 os.preadv(fd, [probe.data], 0)
                 return fd, True, ""
             except OSError as e:
@@ -173,7 +173,7 @@ class CopySet:
     def _validate(self, copy: Copy) -> bool:
         """(Re)open the files a mirror validly holds; False when it holds none."""
         self._close_files(copy)
-        ident = self._identity_of(copy.root)
+        ident = read_identity(copy.root)
         if ident is not None and self.index.identity and ident != self.index.identity:
             log.warning("%s (%s): index identity %s differs from the model's %s; not used",
                         copy.name, copy.root, ident, self.index.identity)
@@ -195,13 +195,6 @@ class CopySet:
         if copy.fds:
             log.info("%s (%s): %d of %d expert files", copy.name, copy.root, len(copy.fds), len(self.sizes))
         return bool(copy.fds)
-
-    @staticmethod
-    def _identity_of(root: Path) -> str | None:
-        try:
-            return str(json.loads((root / "index.json").read_text()).get("identity", "")) or None
-        except (OSError, ValueError, AttributeError):
-            return None
 
     # ---- health ---------------------------------------------------------------------
     def _set_degraded(self, copy: Copy, reason: str) -> None:

@@ -39,8 +39,8 @@ import xxhash
 from moetier.errors import DataCorruption, InvalidArgument, Unavailable
 from moetier.store.buffers import Buffer, BufferPool, Holder
 from moetier.store.copies import Copy, CopyMissing, CopySet
-from moetier.store.index import ExpertIndex, ExpertKey, RecordLocation
 from moetier.store.stats import IOStats
+from moetier.weights.index import ExpertIndex, ExpertKey, RecordLocation
 
 log = logging.getLogger(__name__)
 

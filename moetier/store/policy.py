@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import InvalidArgument
-from moetier.store.index import ExpertKey
+from moetier.weights.index import ExpertKey
 
 Skip = Callable[[ExpertKey], bool]
 POLICIES = ("lru", "lfu", "learned")

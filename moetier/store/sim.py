@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from moetier.store.index import ExpertKey
 from moetier.store.policy import Policy
 from moetier.store.trace import Trace
+from moetier.weights.index import ExpertKey
 
 
 def _accesses(trace: Trace) -> list[list[ExpertKey]]:

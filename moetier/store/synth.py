@@ -3,7 +3,7 @@
 Files follow the container's layout (docs/internals.md): experts/layer-NNN.bin
 holding the records of one layer in expert order from offset 0, each record
 4 KiB-aligned, and experts/index.json in the documented format (without a record
-layout), so `ExpertIndex.from_dir` reads them like a container's.
+layout: `"layout": null`), so `ExpertIndex.load` reads and validates them like a container's.
 
 `f32_parser(hidden, inter)` gives records a real meaning for compute tests: a
 record holds gate [I, D], up [I, D] and down [D, I] as float32, one after the other.
@@ -19,14 +19,15 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from moetier.store.index import ALIGN, ExpertIndex, ExpertKey, RecordLocation
+from moetier.weights.format import CHECKSUM, FORMAT_VERSION, RECORD_ALIGN
+from moetier.weights.index import ExpertIndex, ExpertKey, RecordLocation, index_identity
 from moetier.weights.quant import ExpertWeights, QTensor
 
 Filler = Callable[[ExpertKey, np.random.Generator], bytes]
 
 
 def _pad(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+    return -(-n // RECORD_ALIGN) * RECORD_ALIGN
 
 
 def write_records(
@@ -61,9 +62,8 @@ def write_records(
                 rows.append([layer, e, fi, offset, length, f"{checksum:016x}"])
                 f.write(data)
                 offset += length
-    listing = {"files": files, "records": rows}
-    identity = xxhash.xxh3_64_hexdigest(json.dumps(listing, sort_keys=True, separators=(",", ":")).encode())
-    doc = {"format_version": 1, "checksum": "xxh3_64", "layout": None, "files": files,
+    identity = index_identity(None, files, rows)
+    doc = {"format_version": FORMAT_VERSION, "checksum": CHECKSUM, "layout": None, "files": files,
            "moe_layers": list(layers), "n_experts": n_experts, "records": rows, "identity": identity}
     (experts / "index.json").write_text(json.dumps(doc))
     return ExpertIndex.from_records(experts, records, identity, parse)

@@ -26,13 +26,12 @@ A prefetched expert later demanded counts as useful; evicted unused, as wasted.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
-from concurrent.futures import Future
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,12 +40,13 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import FormatError, ResourceExhausted, Unavailable
+from moetier.settings import Settings, resolve_budget
 from moetier.store.buffers import Buffer, Holder
 from moetier.store.history import load_history, save_history
-from moetier.store.index import ExpertIndex, ExpertKey
-from moetier.store.io import DEMAND, PREFETCH, IOEngine, wait_future
+from moetier.store.io import DEMAND, PREFETCH, IOEngine
 from moetier.store.policy import Learned, Policy, make_policy
 from moetier.store.stats import HEAT_LOADING, HEAT_PINNED, HEAT_RAM, HeatSnapshot, TierStats
+from moetier.weights.index import ExpertIndex, ExpertKey
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,19 @@ class TierConfig:
     prefetch_limit: int = 16  # prefetch reads queued or running at most
     prefetch_max_age: int = 2  # steps after which a queued prefetch read is dropped
     pin_wait_s: float = 1.0  # how long an acquire waits for room held by other computes
+
+
+def tier_config(settings: Settings, expert_bytes: int, store_id: str | None = None) -> TierConfig:
+    """The tier's settings: budget (bytes or % of the expert bytes), policy, prefetch bound, and
+    for the learned policy its usage history file (cache.history_path, else
+    data_dir/history/<store_id>.hist; none without a store id)."""
+    cache = settings.cache
+    history = None
+    if cache.policy == "learned":
+        history = cache.history_path or (settings.data_path / "history" / f"{store_id}.hist" if store_id else None)
+    return TierConfig(budget_bytes=resolve_budget(settings.model.expert_cache, expert_bytes),
+                      policy=cache.policy, learned_fraction=cache.pin_fraction, history_path=history,
+                      prefetch_limit=settings.storage.prefetch_depth)
 
 
 @dataclass(eq=False)
@@ -89,7 +102,8 @@ class HintOutcome:
 
 
 class Lease:
-    """Experts pinned for one compute; `experts` maps expert id -> value. Release exactly once."""
+    """Experts pinned for one compute; `experts` maps expert id -> value (filled by `pin`).
+    Release exactly once."""
 
     def __init__(self, tier: ExpertTier, layer: int, entries: list[_Entry], misses: int) -> None:
         self.tier = tier
@@ -97,12 +111,52 @@ class Lease:
         self.entries = entries
         self.misses = misses
         self.experts: dict[int, Any] = {}
+        self.wait_s = 0.0  # time `arrivals` blocked waiting for reads
         self._released = False
+
+    def arrivals(self) -> Iterator[dict[int, Any]]:
+        """The leased experts as they become usable, {expert id: value} at a time: first every
+        one already resident, then the reads as they complete (those that finished together in
+        one). A caller computes each while the rest are read. Once every read has ended, the
+        first that failed is raised (a failed read is never yielded)."""
+        pending: dict[Future[Any], int] = {}
+        now: dict[int, Any] = {}
+        first: BaseException | None = None
+        for e in self.entries:
+            ready = e.ready
+            assert ready is not None  # a pinned entry keeps its future
+            if ready.done():
+                first = _take(ready, e.key[1], now, first)
+            else:
+                pending[ready] = e.key[1]
+        if now:
+            yield now
+        while pending:
+            t0 = time.perf_counter()
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            self.wait_s += time.perf_counter() - t0
+            now = {}
+            for f in done:
+                first = _take(f, pending.pop(f), now, first)
+            if now and first is None:
+                yield now
+        if self.misses:
+            self.tier._observe_miss_wait(self.wait_s)
+        if first is not None:
+            raise first
 
     def release(self) -> None:
         if not self._released:
             self._released = True
             self.tier._end(self)
+
+
+def _take(f: Future[Any], expert: int, into: dict[int, Any], first: BaseException | None) -> BaseException | None:
+    exc = f.exception()
+    if exc is not None:
+        return first or exc
+    into[expert] = f.result()
+    return first
 
 
 class ExpertTier:
@@ -153,53 +207,25 @@ class ExpertTier:
         finally:
             lease.release()
 
-    @asynccontextmanager
-    async def aacquire(self, layer: int, ids: IdsLike) -> AsyncIterator[dict[int, Any]]:
-        """`acquire` for asyncio: reads and waits for room happen off the event loop."""
-        lease = await self.apin(layer, ids)
-        try:
-            yield lease.experts
-        finally:
-            lease.release()
-
-    async def apin(self, layer: int, ids: IdsLike) -> Lease:
-        """`pin` for asyncio; the caller must `release()` the lease. A cancelled caller
-        leaves nothing pinned, also when it is cancelled while waiting for room."""
-        lease = self._begin(layer, ids, block=False)
-        if lease is None:
-            waiting = asyncio.get_running_loop().run_in_executor(None, self._begin, layer, ids, True)
-            try:
-                lease = await asyncio.shield(waiting)
-            except asyncio.CancelledError:
-                waiting.add_done_callback(_release_when_done)
-                raise
-        assert lease is not None
-        try:
-            t0 = time.perf_counter()
-            for e in lease.entries:
-                assert e.ready is not None
-                if not e.ready.done():
-                    await wait_future(e.ready)
-            self._collect(lease, t0)
-        except BaseException:
-            lease.release()
-            raise
-        return lease
-
     def pin(self, layer: int, ids: IdsLike) -> Lease:
         """Pin and load; the caller must `release()` the lease (prefer `acquire`)."""
-        lease = self._begin(layer, ids, block=True)
+        lease = self.begin(layer, ids)
         assert lease is not None
         try:
-            t0 = time.perf_counter()
-            for e in lease.entries:
-                assert e.ready is not None
-                e.ready.exception()  # wait for every read before reporting any failure
-            self._collect(lease, t0)
+            for experts in lease.arrivals():
+                lease.experts.update(experts)
         except BaseException:
             lease.release()
             raise
         return lease
+
+    def begin(self, layer: int, ids: IdsLike, *, block: bool = True) -> Lease | None:
+        """Pin the experts `ids` of `layer` without waiting for their reads: the resident ones
+        pinned, the missing ones reserved and queued together (demand priority); `Lease.arrivals`
+        hands them out as they become usable. When the budget has no room (other computes hold
+        it) this waits up to `pin_wait_s` for them to release, or with `block=False` returns None
+        at once instead. The caller must `release()` the lease."""
+        return self._begin(layer, ids, block)
 
     def waves(self, layer: int, ids: IdsLike) -> list[list[int]]:
         """The batch union of `layer` cut into waves of expert ids that each fit in the budget,
@@ -226,21 +252,6 @@ class ExpertTier:
             waves[-1].append(k[1])
             nbytes += n
         return waves
-
-    def _collect(self, lease: Lease, t0: float) -> None:
-        first: BaseException | None = None
-        for e in lease.entries:
-            assert e.ready is not None
-            exc = e.ready.exception()
-            if exc is not None:
-                first = first or exc
-            else:
-                lease.experts[e.key[1]] = e.ready.result()
-        if lease.misses:
-            with self._cond:
-                self._stats.miss_wait.observe(time.perf_counter() - t0)
-        if first is not None:
-            raise first
 
     def _keys(self, layer: int, ids: IdsLike) -> list[ExpertKey]:
         keys = [(int(layer), int(i)) for i in np.unique(np.asarray(ids, dtype=np.int64))]
@@ -312,6 +323,10 @@ class ExpertTier:
             self.policy.insert(e.key)
             self._start_read(e, DEMAND)
         return Lease(self, layer, entries, len(keys) - hits)
+
+    def _observe_miss_wait(self, seconds: float) -> None:
+        with self._cond:
+            self._stats.miss_wait.observe(seconds)
 
     def _end(self, lease: Lease) -> None:
         with self._cond:
@@ -518,9 +533,3 @@ class ExpertTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _release_when_done(fut: asyncio.Future[Lease | None]) -> None:
-    """Release the lease a cancelled `apin` was still waiting for."""
-    if not fut.cancelled() and fut.exception() is None and (lease := fut.result()) is not None:
-        lease.release()

@@ -3,8 +3,9 @@ writer, and quantization (docs/internals.md, 'The container')."""
 
 from __future__ import annotations
 
-from moetier.weights.container import Container, ExpertIndex, ExpertLocation
+from moetier.weights.container import Container
+from moetier.weights.index import ExpertIndex, RecordLocation
 from moetier.weights.layout import PartLayout, RecordLayout
 from moetier.weights.writer import ContainerWriter
 
-__all__ = ["Container", "ContainerWriter", "ExpertIndex", "ExpertLocation", "PartLayout", "RecordLayout"]
+__all__ = ["Container", "ContainerWriter", "ExpertIndex", "PartLayout", "RecordLayout", "RecordLocation"]

@@ -1,6 +1,6 @@
 """Container reader: `Container.open(path)` validates loudly, then serves dense tensors as
 zero-copy memmap views and expert records by plain reads (the fast O_DIRECT engine lives
-in moetier/store and uses `container.index` directly).
+in moetier/store and uses `container.index`, the one `ExpertIndex`, directly).
 
 Every error names the file, and where it applies the tensor, layer, expert and offset.
 """
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -26,31 +24,19 @@ from moetier.weights.format import (
     FORMAT,
     FORMAT_VERSION,
     INDEX,
-    INDEX_KEYS,
     MANIFEST,
     MANIFEST_KEYS,
     MANIFEST_OPTIONAL,
     QUANT_KEYS,
-    RECORD_ALIGN,
     expert_file_name,
     xxh3_file,
     xxh3_hex,
 )
+from moetier.weights.index import ExpertIndex
 from moetier.weights.layout import RecordLayout
 from moetier.weights.quant import ExpertWeights, QTensor
 from moetier.weights.schema import DENSE_ALLOWED, EXPERTS_ALLOWED
-from moetier.weights.writer import index_identity, planned_dense
-
-
-@dataclass(frozen=True)
-class ExpertLocation:
-    layer: int
-    expert: int
-    file: str  # relative to the container, e.g. "experts/layer-001.bin"
-    path: Path
-    offset: int
-    length: int
-    checksum: str  # xxh3_64 hex of the `length` bytes at `offset`
+from moetier.weights.writer import planned_dense
 
 
 def _keys(obj: Any, required: set[str], optional: set[str], label: str) -> dict[str, Any]:
@@ -74,68 +60,26 @@ def _load_json(path: Path, label: str) -> Any:
         raise FormatError(f"{label}: not valid JSON ({e})") from e
 
 
-class ExpertIndex:
-    """experts/index.json: the (layer, expert) -> location map and the shared record layout."""
-
-    def __init__(self, root: Path, obj: Any, args: ModelArgs, quant: dict[str, Any],
-                 sizes: dict[str, int]) -> None:
-        label = INDEX
-        d = _keys(obj, INDEX_KEYS, set(), label)
-        if d["format_version"] != FORMAT_VERSION:
-            raise FormatError(f"{label}: format_version {d['format_version']!r}, this moetier reads {FORMAT_VERSION}")
-        if d["checksum"] != CHECKSUM:
-            raise FormatError(f"{label}: checksum {d['checksum']!r} unsupported (expected {CHECKSUM})")
-        self.layout = RecordLayout.from_dict(d["layout"])
-        want = RecordLayout.build(args.moe_intermediate_size, args.hidden_size, quant["experts"], quant["group_size"])
-        if self.layout != want:
-            raise FormatError(f"{label}: record layout does not match the model shape and quantization "
-                              f"in {MANIFEST}")
-        self.moe_layers: list[int] = list(d["moe_layers"])
-        self.n_experts = int(d["n_experts"])
-        if self.moe_layers != args.moe_layer_ids or self.n_experts != args.n_routed_experts:
-            raise FormatError(f"{label}: moe_layers/n_experts disagree with the model in {MANIFEST}")
-        self.files: list[str] = list(d["files"])
-        if self.files != [expert_file_name(li) for li in self.moe_layers]:
-            raise FormatError(f"{label}: files {self.files[:3]}... are not one per MoE layer")
-        self.identity: str = d["identity"]
-        if index_identity(d["layout"], d["files"], d["records"]) != self.identity:
-            raise FormatError(f"{label}: identity does not match its layout, files and records")
-        rb = self.layout.record_bytes
-        self._loc: dict[tuple[int, int], ExpertLocation] = {}
-        for rec in d["records"]:
-            try:
-                layer, expert, fi, offset, length, ck = rec
-                rel = f"{EXPERTS_DIR}/{self.files[fi]}"
-            except (ValueError, TypeError, IndexError) as e:
-                raise FormatError(f"{label}: malformed record {rec!r}") from e
-            where = f"{label}: record layer {layer} expert {expert} ({rel} offset {offset})"
-            if (layer, expert) in self._loc:
-                raise FormatError(f"{where}: duplicate")
-            if layer not in self.moe_layers or not 0 <= expert < self.n_experts:
-                raise FormatError(f"{where}: no such MoE layer/expert")
-            if self.moe_layers[fi] != layer:
-                raise FormatError(f"{where}: stored in the file of layer {self.moe_layers[fi]}")
-            if offset % RECORD_ALIGN or length != rb:
-                raise FormatError(f"{where}: not {RECORD_ALIGN}-aligned or length {length} != {rb}")
-            if offset + length > sizes.get(rel, -1):
-                raise FormatError(f"{where}: ends at {offset + length} past the end of the "
-                                  f"{sizes.get(rel, 0)}-byte file")
-            self._loc[(layer, expert)] = ExpertLocation(layer, expert, rel, root / rel, offset, length, str(ck))
-        n_want = len(self.moe_layers) * self.n_experts
-        if len(self._loc) != n_want:
-            raise FormatError(f"{label}: {len(self._loc)} records, the model has {n_want} routed experts")
-
-    def location(self, layer: int, expert: int) -> ExpertLocation:
-        try:
-            return self._loc[(layer, expert)]
-        except KeyError:
-            raise FormatError(f"no expert record for layer {layer} expert {expert}") from None
-
-    def __iter__(self) -> Iterator[ExpertLocation]:
-        return iter(self._loc.values())
-
-    def __len__(self) -> int:
-        return len(self._loc)
+def _container_index(root: Path, doc: Any, args: ModelArgs, quant: dict[str, Any],
+                     sizes: dict[str, int]) -> ExpertIndex:
+    """experts/index.json read by the one index reader, then held to what the manifest says:
+    the canonical layout of the model's shape and quantization, its MoE layers and experts,
+    one file per MoE layer holding that layer's records."""
+    label = INDEX
+    in_experts = {rel[len(EXPERTS_DIR) + 1:]: n for rel, n in sizes.items() if rel.startswith(EXPERTS_DIR + "/")}
+    index = ExpertIndex.from_doc(root / EXPERTS_DIR, doc, in_experts, label)
+    want = RecordLayout.build(args.moe_intermediate_size, args.hidden_size, quant["experts"], quant["group_size"])
+    if index.layout != want:
+        raise FormatError(f"{label}: record layout does not match the model shape and quantization in {MANIFEST}")
+    if list(index.layers) != args.moe_layer_ids or index.n_experts != args.n_routed_experts:
+        raise FormatError(f"{label}: moe_layers/n_experts disagree with the model in {MANIFEST}")
+    if list(doc["files"]) != [expert_file_name(li) for li in index.layers]:
+        raise FormatError(f"{label}: files {list(doc['files'])[:3]}... are not one per MoE layer")
+    for (layer, expert), loc in index:
+        if loc.path != expert_file_name(layer):
+            raise FormatError(f"{label}: record layer {layer} expert {expert} ({EXPERTS_DIR}/{loc.path} offset "
+                              f"{loc.offset}): stored in the file of another layer")
+    return index
 
 
 class Container:
@@ -174,8 +118,9 @@ class Container:
             sizes[rel] = size
         if INDEX not in files:
             raise FormatError(f"{MANIFEST}: files does not list {INDEX}")
-        self.index = ExpertIndex(path, _load_json(path / INDEX, INDEX), self.args, q, sizes)
-        self.layout = self.index.layout
+        self.index = _container_index(path, _load_json(path / INDEX, INDEX), self.args, q, sizes)
+        assert self.index.layout is not None  # checked against the model's
+        self.layout: RecordLayout = self.index.layout
         self.expert_bytes = int(m["expert_bytes"])
         if self.expert_bytes != len(self.index) * self.layout.record_bytes:
             raise FormatError(f"{MANIFEST}: expert_bytes {self.expert_bytes} != records x record size")
@@ -254,33 +199,30 @@ class Container:
 
     # ---- experts -----------------------------------------------------------------------------
     def read_expert_bytes(self, layer: int, expert: int, verify: bool = True) -> bytes:
-        loc = self.index.location(layer, expert)
-        fd = self._fds.get(loc.file)
+        loc = self.index.location((layer, expert))
+        fd = self._fds.get(loc.path)
         if fd is None:
-            fd = self._fds[loc.file] = os.open(loc.path, os.O_RDONLY)
+            fd = self._fds[loc.path] = os.open(self.index.root / loc.path, os.O_RDONLY)
         buf = os.pread(fd, loc.length, loc.offset)
         if len(buf) != loc.length:
-            raise DataCorruption(f"{loc.file}: short read for layer {layer} expert {expert} at offset "
-                                 f"{loc.offset}: {len(buf)} of {loc.length} bytes")
+            raise DataCorruption(f"{EXPERTS_DIR}/{loc.path}: short read for layer {layer} expert {expert} at "
+                                 f"offset {loc.offset}: {len(buf)} of {loc.length} bytes")
         if verify:
-            self._check(loc, buf)
+            got = xxh3_hex(buf)
+            if got != loc.checksum_hex:
+                raise DataCorruption(f"{EXPERTS_DIR}/{loc.path}: checksum mismatch for layer {layer} expert {expert} "
+                                     f"at offset {loc.offset} ({loc.length} bytes): expected {loc.checksum_hex}, "
+                                     f"got {got}")
         return buf
 
     def read_expert(self, layer: int, expert: int, verify: bool = True) -> ExpertWeights:
         buf = np.frombuffer(self.read_expert_bytes(layer, expert, verify), dtype=np.uint8)
         return self.layout.parse(buf)
 
-    @staticmethod
-    def _check(loc: ExpertLocation, buf: bytes | memoryview) -> None:
-        got = xxh3_hex(buf)
-        if got != loc.checksum:
-            raise DataCorruption(f"{loc.file}: checksum mismatch for layer {loc.layer} expert {loc.expert} "
-                                 f"at offset {loc.offset} ({loc.length} bytes): expected {loc.checksum}, got {got}")
-
     def verify(self) -> None:
         """Recheck every expert record and every file against the index and the manifest."""
-        for loc in self.index:
-            self.read_expert_bytes(loc.layer, loc.expert, verify=True)
+        for layer, expert in self.index.records:
+            self.read_expert_bytes(layer, expert, verify=True)
         for rel, ent in self.files.items():
             got = xxh3_file(self.path / rel)
             if got != ent[CHECKSUM]:

@@ -32,7 +32,6 @@ from moetier.weights.format import (
     INDEX,
     MANIFEST,
     atomic_write,
-    canonical_json,
     created_by,
     dense_file_name,
     expert_file_name,
@@ -41,6 +40,7 @@ from moetier.weights.format import (
     xxh3_file,
     xxh3_hex,
 )
+from moetier.weights.index import index_identity
 from moetier.weights.layout import RecordLayout
 from moetier.weights.quant import ExpertWeights, QDType
 from moetier.weights.schema import DENSE_ALLOWED, EXPERTS_ALLOWED, dense_shapes, storage_dtype
@@ -53,10 +53,6 @@ def planned_dense(args: ModelArgs, dense: QDType, group_size: int) -> dict[str, 
         dt = storage_dtype(name, shape, dense)
         out[name] = DenseSpec(name, dt, shape, group_size if dt in ("int8", "int4") else 0)
     return out
-
-
-def index_identity(layout: dict[str, Any], files: list[str], records: list[list[Any]]) -> str:
-    return xxh3_hex(canonical_json({"layout": layout, "files": files, "records": records}))
 
 
 class ContainerWriter:

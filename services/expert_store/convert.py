@@ -14,9 +14,9 @@ import numpy as np
 from moetier.errors import InvalidArgument
 from moetier.rpc.tensors import from_pb, to_pb
 from moetier.rpc.v1 import expert_store_pb2 as pb
+from moetier.store.compute import ComputeResult
 from services.expert_store.core import (
     ComputeBatch,
-    ComputeResult,
     ModelShape,
     PrefetchHint,
     PrefetchResult,

@@ -9,13 +9,13 @@ Legend: T = rows, D = hidden, K = experts per row, E = experts per layer, L = Mo
     core.prefetch(hint); core.heat(); core.info()
     await core.stop()                       # history saved, tier and container closed
 
-Every ComputeExperts is computed exactly as the in-process provider (`TieredExperts`)
-computes it: the batch union cut into waves that fit the RAM tier's budget
-(`ExpertTier.waves`; one wave when the union fits), each wave pinned, its (row, slot)
-outputs computed with `FastOps.expert_outputs` into one [T, K, D] buffer and released,
-then the k-ordered combine `FastOps.moe` ends in (`WaveSum`). So the store's output is
-bit for bit the in-process engine's, and a union larger than the budget is slower
-(its experts are read again), never refused.
+Every ComputeExperts is one run of the tier-compute loop the in-process provider
+(`TieredExperts`) runs too (`TierCompute`, moetier/store/compute.py): the batch union cut
+into waves that fit the RAM tier's budget (one wave when the union fits), each wave pinned,
+its experts computed as they become resident (the resident ones while the missing ones are
+read) and released, then the k-ordered combine `FastOps.moe` ends in. So the store's output
+is bit for bit the in-process engine's, and a union larger than the budget is slower (its
+experts are read again), never refused.
 
 Steps: callers send their step counter; a newer step ages queued prefetch reads
 (`ExpertTier.new_step`) and a hint for an older step than the latest seen is stale and
@@ -38,11 +38,10 @@ import numpy.typing as npt
 
 from moetier.errors import InvalidArgument
 from moetier.kernels.fast import FastOps, default_threads, warmup
-from moetier.settings import Settings, resolve_budget
-from moetier.store.index import ExpertIndex
-from moetier.store.provider import WaveSum
+from moetier.settings import Settings
+from moetier.store.compute import ComputeJob, ComputeResult, TierCompute
 from moetier.store.stats import HEAT_PINNED, HEAT_RAM, DiskStats, TierStats
-from moetier.store.tier import ExpertTier, Lease, TierConfig
+from moetier.store.tier import ExpertTier, tier_config
 from moetier.weights.container import Container
 from moetier.weights.quant import ExpertWeights, QDType, quantize
 from services.expert_store.metrics import StoreMetrics
@@ -75,16 +74,6 @@ class ComputeBatch:
     ids: I32  # [T, K], each in [0, E)
     weights: F32  # [T, K]
     step: int | None = None
-
-
-@dataclass
-class ComputeResult:
-    output: F32  # [T, D]
-    hits: int  # experts of the batch union found in RAM
-    misses: int  # experts of the batch union read (or joined to a read in flight)
-    load_ns: int  # making the union resident (every wave)
-    compute_ns: int  # the kernels (every wave and the combine)
-    waves: int = 1  # pin-compute-release rounds: more than one when the union exceeds the budget
 
 
 @dataclass
@@ -129,6 +118,7 @@ class StoreHeat:
 # 2 cores: the store's time outside load + kernels 0.55-0.73 ms on the compute thread,
 # 0.28-0.41 ms inline. Larger calls (prefill chunks) keep the loop free for other requests.
 INLINE_ROWS = 4
+COMPUTE_THREADS = 4  # calls computed (or waiting for their reads) at once, beyond inline ones
 
 def kernel_threads() -> int:
     """Kernel threads per call: the CPUs this process may use (`default_threads()`), less one
@@ -149,17 +139,6 @@ def shape_of(container: Container) -> ModelShape:
                       expert_dtype=str(container.quantization["experts"]))
 
 
-def tier_config(settings: Settings, expert_bytes: int) -> TierConfig:
-    """The tier's settings: budget (bytes or % of the expert bytes), policy, history, prefetch bound."""
-    cache = settings.cache
-    history = None
-    if cache.policy == "learned":
-        history = cache.history_path or settings.data_path / "history" / f"{settings.expert_store.id}.hist"
-    return TierConfig(budget_bytes=resolve_budget(settings.model.expert_cache, expert_bytes),
-                      policy=cache.policy, learned_fraction=cache.pin_fraction, history_path=history,
-                      prefetch_limit=settings.storage.prefetch_depth)
-
-
 class StoreCore:
     def __init__(self, settings: Settings, *, threads: int | None = None,
                  history_interval_s: float = 30.0) -> None:
@@ -178,19 +157,22 @@ class StoreCore:
         self.container = Container.open(settings.model.path)
         try:
             self.shape = shape_of(self.container)
-            config = tier_config(settings, self.container.expert_bytes)
+            config = tier_config(settings, self.container.expert_bytes, self.store_id)
             if config.history_path is not None:
                 config.history_path.parent.mkdir(parents=True, exist_ok=True)
-            self.tier = ExpertTier.open(ExpertIndex.from_container(self.container), config, mirrors=st.mirrors,
+            self.tier = ExpertTier.open(self.container.index, config, mirrors=st.mirrors,
                                         depth=st.queue_depth, direct=st.direct_io,
                                         mirror_weights=st.mirror_weights or None)
+            self.experts = TierCompute(self.tier, self.ops)
         except BaseException:
             self.container.close()
             raise
-        # One compute thread: the kernels spread each call over `ops.threads` cores themselves;
-        # concurrent calls would only make their thread teams fight for the same cores.
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetier-compute")
-        self._queued = 0  # jobs submitted to the compute thread and not finished (inline ones wait for none)
+        # A few compute threads, each running one call's loop: a call waiting for its reads holds a
+        # thread, not the others' calls. The kernels spread a call over `ops.threads` cores
+        # themselves; a second call computing meanwhile runs on its own thread (the kernels' pool
+        # has one owner at a time), so concurrent calls share the cores without stalling.
+        self._compute = ThreadPoolExecutor(max_workers=COMPUTE_THREADS, thread_name_prefix="moetier-compute")
+        self._queued = 0  # jobs submitted to the compute threads and not finished (inline ones wait for none)
         self._queued_lock = threading.Lock()
         self._row = {layer: i for i, layer in enumerate(self.shape.moe_layers)}
         n_layers, n_experts = len(self.shape.moe_layers), self.shape.n_experts
@@ -254,49 +236,49 @@ class StoreCore:
 
     # ---- requests -------------------------------------------------------------------
     async def compute(self, batch: ComputeBatch) -> ComputeResult:
-        """One MoE layer for a batch, wave by wave (one wave when the union fits the budget):
-        the wave's experts pinned (misses read together), its slots computed on the compute
-        thread, the wave released; then the combine. The batch was checked against `shape`."""
+        """One MoE layer for a batch: the tier-compute loop, on the event loop's thread when the
+        call is small, no compute thread busy and every expert of it resident (see INLINE_ROWS),
+        else on a compute thread, which may wait for reads and for room in the budget. Only
+        running calls hold pins (a call queued for a thread holds none, and a call waits for room
+        only between waves, holding nothing), so a wave waiting for room never waits for a call
+        that waits for it. The batch was checked against `shape`."""
         self._note_step(batch.step)
         self._note_routing(batch.layer, batch.ids)
-        waves = self.tier.waves(batch.layer, batch.ids)
-        acc = WaveSum(self.ops, batch.hidden, batch.ids, batch.weights)
-        load_ns = compute_ns = hits = misses = 0
-        output: F32 | None = None
-        for n, wave in enumerate(waves):
-            t0 = time.perf_counter_ns()
-            lease = await self.tier.apin(batch.layer, wave)
-            load_ns += time.perf_counter_ns() - t0
-            misses += lease.misses
-            hits += len(lease.entries) - lease.misses
-            output, ns = await self._run_kernels(acc, lease, last=n == len(waves) - 1)
-            compute_ns += ns
-        assert output is not None  # a checked batch has rows, so its union has an expert
-        self.metrics.observe_compute(batch.layer, batch.hidden.shape[0], len(waves), load_ns, compute_ns)
-        return ComputeResult(output, hits, misses, load_ns, compute_ns, len(waves))
+        job = None
+        if batch.hidden.shape[0] <= INLINE_ROWS and self._queued == 0:
+            job = self.experts.start(batch.layer, batch.hidden, batch.ids, batch.weights, block=False)
+        if job is not None and job.resident:
+            result = self.experts.finish(job)  # a decode step's few rows: without two thread hand-offs
+        else:
+            result = await self._on_compute_thread(batch, job)
+        self.metrics.observe_compute(batch.layer, batch.hidden.shape[0], result.waves, result.load_ns,
+                                     result.compute_ns)
+        return result
 
-    async def _run_kernels(self, acc: WaveSum, lease: Lease, last: bool) -> tuple[F32 | None, int]:
-        """One wave's slots on the compute thread, and after the last wave the combine [T, D]."""
-        def job() -> tuple[F32 | None, int]:
-            t = time.perf_counter_ns()
-            try:
-                acc.add(lease.experts)
-            finally:
-                lease.release()  # here, not in the caller: a cancelled caller must not unpin under the kernel
-            y = acc.result() if last else None  # [T, D]
-            return y, time.perf_counter_ns() - t
+    async def _on_compute_thread(self, batch: ComputeBatch, job: ComputeJob | None) -> ComputeResult:
+        """`finish` (and `start`, unless the job was started here) on a compute thread. A cancelled
+        caller leaves nothing pinned: a job not yet started is abandoned here, one that waits for
+        room is abandoned by the thread once it has it, one computing releases when done."""
+        gone = threading.Event()
 
-        if acc.x.shape[0] <= INLINE_ROWS and self._queued == 0:
-            return job()  # a decode step's few rows: here, without two thread hand-offs (see INLINE_ROWS)
+        def work() -> ComputeResult:
+            j = job or self.experts.start(batch.layer, batch.hidden, batch.ids, batch.weights, block=True)
+            assert j is not None
+            if gone.is_set():
+                j.abandon()
+                raise asyncio.CancelledError
+            return self.experts.finish(j)
+
         with self._queued_lock:
             self._queued += 1
-        fut = self._compute.submit(job)
+        fut = self._compute.submit(work)
         fut.add_done_callback(self._dequeue)
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            if fut.cancelled():  # never started: nobody else will release
-                lease.release()
+            gone.set()
+            if fut.cancelled() and job is not None:  # never started: nobody else will release
+                job.abandon()
             raise
 
     def _dequeue(self, _: Future[Any]) -> None:

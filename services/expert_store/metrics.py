@@ -28,6 +28,7 @@ code; never an expert id (per-expert heat is the Heat RPC's snapshot).
 | moetier_expert_store_reads_in_flight | gauge | | record reads being performed now |
 | moetier_expert_store_reads_queued | gauge | | record reads waiting for an I/O worker |
 | moetier_expert_store_reads_joined_total | counter | | requests that joined a read already in flight (single-flight) |
+| moetier_expert_store_reads_submitted_total | counter | | distinct record reads queued, demand and prefetch (a join is not one) |
 | moetier_expert_store_read_fallbacks_total | counter | | reads served by another copy than placement chose |
 | moetier_expert_store_checksum_failures_total | counter | | record reads that failed their checksum, any copy |
 | moetier_expert_store_corrupt_records_total | counter | | reads with no valid copy (DATA_LOSS) |
@@ -113,6 +114,8 @@ class TierCollector(Collector):
         yield GaugeMetricFamily(P + "reads_in_flight", "Record reads being performed.", io.inflight)
         yield GaugeMetricFamily(P + "reads_queued", "Record reads waiting for an I/O worker.", io.queued)
         yield CounterMetricFamily(P + "reads_joined", "Requests that joined a read in flight.", io.joined)
+        yield CounterMetricFamily(P + "reads_submitted", "Distinct record reads queued (demand and prefetch).",
+                                  io.submitted)
         yield CounterMetricFamily(P + "read_fallbacks", "Reads served by another copy than placement chose.",
                                   io.fallbacks)
         yield CounterMetricFamily(P + "checksum_failures", "Record reads that failed their checksum.",

@@ -1,0 +1,126 @@
+"""The cluster a benchmark runs: router, expert store and dense worker started the way `moetier up`
+starts them (the same commands, one config file, health-gated, in start order), each a process of
+its own, observed only through what the services publish: their /metrics, the router's Generate
+stream, and each process's CPU time (/proc/<pid>/stat).
+
+    with LocalCluster.start(settings, model, data_dir) as cluster:
+        stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
+        cluster.scrape("expert_store")   # {"moetier_expert_store_hits_total": ..., ...}
+        cluster.cpu_seconds()            # user + system seconds of the three processes since they started
+
+The gateway is not started: a benchmark speaks to the router as the gateway does. Every port is
+a free one chosen at start (another `moetier up` on this machine is left alone).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from moetier.errors import Unavailable
+from moetier.launch import ServiceSpec, Supervisor, service_specs
+from moetier.settings import Settings
+
+SERVICES = ("router", "expert_store", "dense_worker")
+START_S = 300.0  # one service's start (imports, dense tensors, kernel warm-up) at most
+_TICK = os.sysconf("SC_CLK_TCK")
+
+Sample = dict[str, float]  # "name{label=value,...}" (labels sorted) or "name" -> value
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of proc(5))
+
+
+def parse_metrics(text: str) -> Sample:
+    out: Sample = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out
+
+
+def total(sample: Sample, name: str) -> float:
+    """The sum of a metric over all its label values."""
+    return sum(v for k, v in sample.items() if k == name or k.startswith(name + "{"))
+
+
+class LocalCluster:
+    def __init__(self, settings: Settings, sup: Supervisor, procs: dict[str, Any]) -> None:
+        self.settings = settings
+        self.sup = sup
+        self.pids = {name: p.pid for name, p in procs.items()}
+
+    @classmethod
+    @contextmanager
+    def start(cls, settings: Settings, model: Path, data_dir: Path) -> Iterator[LocalCluster]:
+        """Start the three services with `settings` (addresses and metrics ports replaced by free
+        ones, data_dir by `data_dir`), stop them when the block ends."""
+        updates: dict[str, Any] = {"data_dir": data_dir}
+        for name in SERVICES:
+            ep = getattr(settings, name)
+            port = free_port()
+            updates[name] = ep.model_copy(update={"bind": f"127.0.0.1:{port}", "address": f"127.0.0.1:{port}",
+                                                  "metrics_port": free_port()})
+        settings = settings.model_copy(update=updates)
+        data_dir.mkdir(parents=True, exist_ok=True)
+        config = data_dir / "moetier.yml"
+        config.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
+        sup = Supervisor(data_dir / "logs", echo=lambda _: None)
+        procs: dict[str, Any] = {}
+        try:
+            specs: list[ServiceSpec] = [s for s in service_specs(settings, model, config) if s.name in SERVICES]
+            for spec in specs:
+                procs[spec.name] = sup.start(spec)
+                sup.wait_healthy(spec, procs[spec.name], START_S)
+            cluster = cls(settings, sup, procs)
+            cluster.wait_registered()
+            yield cluster
+        finally:
+            sup.stop_all()
+
+    @property
+    def router_address(self) -> str:
+        return self.settings.router.address
+
+    def scrape(self, service: str) -> Sample:
+        ep = getattr(self.settings, service)
+        url = f"http://127.0.0.1:{ep.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return parse_metrics(r.read().decode())
+
+    def cpu_seconds(self) -> float:
+        return sum(process_cpu_s(pid) for pid in self.pids.values())
+
+    def wait_registered(self, timeout_s: float = 30.0) -> None:
+        """Until the router lists a dense worker and an expert store (its /metrics says so)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = self.scrape("router")
+            if all(m.get(f"moetier_router_members{{kind={k}}}", 0) >= 1 for k in ("dense_worker", "expert_store")):
+                return
+            time.sleep(0.1)
+        raise Unavailable(f"the dense worker and expert store did not register with the router within "
+                          f"{timeout_s:.0f} s\n{self.sup.tail('dense_worker')}")
+
