@@ -52,7 +52,7 @@ class CountingExperts(DictExperts):
         self.hints.append((layer, ids.copy()))
 
 
-def model_of(ck: Checkpoint, **kw: bool) -> Model:
+def model_of(ck: Checkpoint, **kw: Any) -> Model:
     args, dense, experts = ck
     ops = ReferenceOps()
     return Model(args, dense, ops, CountingExperts(experts, ops), **kw)
@@ -166,11 +166,18 @@ def test_prefetch_hints_are_measured_and_change_nothing(checkpoints: dict[str, C
     np.testing.assert_array_equal(teacher_forced_logits(off, ids), teacher_forced_logits(on, ids))
     hints_on = on.experts.hints  # type: ignore[attr-defined]
     moe_layers = on.args.moe_layer_ids
-    assert [layer for layer, _ in hints_on] == moe_layers
+    # each MoE layer hints itself, then the next MoE layer (prefetch_ahead = 1) from the same hidden state
+    assert [layer for layer, _ in hints_on] == [x for a, b in zip(moe_layers, moe_layers[1:] + [None], strict=True)
+                                                for x in ((a, b) if b is not None else (a,))]
     assert all(np.all(np.diff(h) > 0) for _, h in hints_on)  # sorted, unique
     st = on.stats.prefetch
     assert st.actual > 0 and 0 <= st.hits <= min(st.predicted, st.actual)
     assert 0.0 <= st.recall <= 1.0 and set(st.by_layer) == set(moe_layers)
+    ahead = on.stats.ahead  # one layer earlier: every MoE layer but the first
+    assert set(ahead.by_layer) == set(moe_layers[1:]) and 0 <= ahead.hits <= min(ahead.predicted, ahead.actual)
+    alone = model_of(checkpoints["deepseek_v3"], prefetch_ahead=0)
+    np.testing.assert_array_equal(teacher_forced_logits(alone, ids), teacher_forced_logits(off, ids))
+    assert [layer for layer, _ in alone.experts.hints] == moe_layers  # type: ignore[attr-defined]
     assert off.experts.hints == [] and off.stats.prefetch.actual == 0  # type: ignore[attr-defined]
     assert on.stats.steps == 1 and on.stats.tokens == 10
 
