@@ -117,6 +117,9 @@ class InferenceSection(_Section):
     prefix_cache_dir: Path | None = Field(None, description="Prefix cache directory; default "
                                           "data_dir/prefix-cache/<model id>.")
     expert_timeout_s: float = Field(30.0, gt=0, description="Deadline of each ComputeExperts call.")
+    local_lane: bool = Field(True, description="Send ComputeExperts and prefetch hints over the expert store's "
+                             "local lane (a unix socket and shared memory) when the store is on this host; off: "
+                             "gRPC only.")
 
 
 class KernelsSection(_Section):

@@ -1,6 +1,7 @@
-"""RemoteExperts' prefetch hints: handed to one sender thread (the step thread never waits for a
-thread to start, as grpc's `future()` makes it on an idle channel), delivered to the store, and
-the sender stopped by `close()`."""
+"""RemoteExperts' prefetch hints: over gRPC handed to one sender thread (the step thread never
+waits for a thread to start, as grpc's `future()` makes it on an idle channel), on the local lane
+sent by the step thread itself (one packet, no thread at all); delivered to the store either way,
+and the sender stopped by `close()`."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def senders() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "dense-worker-hints"]
 
 
-async def test_hints_reach_the_store_from_one_sender_thread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lane", [False, True], ids=["grpc", "local-lane"])
+async def test_hints_reach_the_store_from_one_sender_thread(tmp_path: Path, lane: bool) -> None:
     model = synth.write_container("tiny-deepseek_v3", tmp_path / "m", 0)
     settings = load_settings(overrides={
         "model": {"path": str(model), "expert_cache": "100%"}, "cache": {"policy": "lru"},
@@ -33,8 +35,9 @@ async def test_hints_reach_the_store_from_one_sender_thread(tmp_path: Path) -> N
     server, port = create_server(settings, "127.0.0.1:0", threads=1)
     await server.start()
     try:
-        remote = RemoteExperts(f"127.0.0.1:{port}", server.core.shape.model_id, timeout_s=5)
+        remote = RemoteExperts(f"127.0.0.1:{port}", server.core.shape.model_id, timeout_s=5, local_lane=lane)
         await asyncio.to_thread(remote.check)
+        assert (remote._lane is not None) == lane
         layer = server.core.shape.moe_layers[0]
 
         def hint_all() -> tuple[int, int]:
@@ -47,7 +50,10 @@ async def test_hints_reach_the_store_from_one_sender_thread(tmp_path: Path) -> N
             return before, threading.active_count()
 
         before, after = await asyncio.to_thread(hint_all)
-        assert len(senders()) == 1 and after <= before + 1, (before, after)
+        if lane:
+            assert senders() == [] and after == before, (before, after)
+        else:
+            assert len(senders()) == 1 and after <= before + 1, (before, after)
         deadline = time.monotonic() + 5
         while server.core.tier_stats().prefetch_hints < 8:
             assert time.monotonic() < deadline, "the hints did not reach the store"

@@ -565,15 +565,19 @@ async def test_compute_cancelled_while_waiting_for_room_pins_nothing(model: Path
         tier.check_invariants()
 
 
-async def test_dense_worker_provider_over_the_store_equals_the_in_process_engine(model: Path, tmp_path: Path) -> None:
-    """The contract end to end: the dense worker's RemoteExperts against this server."""
+@pytest.mark.parametrize("lane", [False, True], ids=["grpc", "local-lane"])
+async def test_dense_worker_provider_over_the_store_equals_the_in_process_engine(model: Path, tmp_path: Path,
+                                                                                  lane: bool) -> None:
+    """The contract end to end: the dense worker's RemoteExperts against this server, over gRPC
+    and over the local lane."""
     from services.dense_worker.remote import RemoteExperts
 
     rng = np.random.default_rng(14)
     with Container.open(model) as c:
         engine = TieredExperts.open(c, FastOps(threads=1), TierConfig(budget_bytes=c.expert_bytes), depth=2)
         async with running(store_settings(model, tmp_path)) as st:
-            remote = RemoteExperts(f"127.0.0.1:{st.port}", c.index.identity, timeout_s=10, hidden_size=D)
+            remote = RemoteExperts(f"127.0.0.1:{st.port}", c.index.identity, timeout_s=10, hidden_size=D,
+                                   local_lane=lane)
             try:
                 # 1 row: the store computes on its event loop's thread; 5 rows: on its compute thread.
                 # moe_start: the call made by the provider's caller thread while this one waits.
@@ -586,6 +590,7 @@ async def test_dense_worker_provider_over_the_store_equals_the_in_process_engine
                         call = remote.moe_start(layer, x, ids, w)
                         assert np.array_equal(await asyncio.to_thread(call.result), want)
                 assert remote.stats.calls == 16 and remote.stats.failed_calls == 0 and remote.stats.call_s > 0
+                assert (remote._lane is not None) == lane
                 assert (await st.stub.Heat(pb.HeatRequest(), timeout=2)).step == 8
                 remote.moe_start(LAYERS[0], x, ids, w).abandon()  # nobody waits: dropped, the provider goes on
                 assert np.array_equal(await asyncio.to_thread(remote.moe, LAYERS[0], x, ids, w),

@@ -167,7 +167,7 @@ def test_prefetch_hints_are_measured_and_change_nothing(checkpoints: dict[str, C
     hints_on = on.experts.hints  # type: ignore[attr-defined]
     moe_layers = on.args.moe_layer_ids
     # each MoE layer hints itself, then the next MoE layer (prefetch_ahead = 1) from the same hidden state
-    assert [layer for layer, _ in hints_on] == [x for a, b in zip(moe_layers, moe_layers[1:] + [None], strict=True)
+    assert [layer for layer, _ in hints_on] == [x for a, b in zip(moe_layers, [*moe_layers[1:], None], strict=True)
                                                 for x in ((a, b) if b is not None else (a,))]
     assert all(np.all(np.diff(h) > 0) for _, h in hints_on)  # sorted, unique
     st = on.stats.prefetch

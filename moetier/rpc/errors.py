@@ -63,17 +63,21 @@ def from_rpc_error(e: grpc.RpcError, what: str) -> MoetierError:
     """A client-side gRPC error as the matching MoetierError (message prefixed by `what`)."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = e.details() if hasattr(e, "details") else str(e)
-    msg = f"{what}: {details}"
+    retry = 1.0
+    for k, v in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
+        if k == RETRY_AFTER_KEY:
+            retry = int(v) / 1000.0
+    return from_status(code, f"{what}: {details}", retry)
+
+
+def from_status(code: grpc.StatusCode, msg: str, retry_after_s: float = 1.0) -> MoetierError:
+    """The MoetierError a call failing with `code` raises (a gRPC call, or the local lane's LocalError)."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidArgument(msg)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(msg)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        retry = 1.0
-        for k, v in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
-            if k == RETRY_AFTER_KEY:
-                retry = int(v) / 1000.0
-        return ResourceExhausted(msg, retry_after_s=retry)
+        return ResourceExhausted(msg, retry_after_s=retry_after_s)
     if code == grpc.StatusCode.DATA_LOSS:
         return DataCorruption(msg)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):

@@ -1,7 +1,13 @@
 """numpy <-> moetier.v1.Tensor. The receiver checks every size: a wrong dtype, shape or
-byte count is an InvalidArgument naming the field, never a reshape error deep inside."""
+byte count is an InvalidArgument naming the field, never a reshape error deep inside.
+
+On a local lane (moetier/rpc/local.py) a tensor's bytes may sit in the lane's shared memory
+region instead of the message (`Tensor.shared`): `to_shared` writes them there, `from_pb`
+with the region reads a zero-copy view, checked like bytes are."""
 
 from __future__ import annotations
+
+import mmap
 
 import numpy as np
 
@@ -19,13 +25,34 @@ def to_pb(a: np.ndarray) -> tensor_pb2.Tensor:
     return tensor_pb2.Tensor(dtype=dt.name, shape=list(a.shape), data=a.astype(dt, copy=False).tobytes())
 
 
+SHARED_ALIGN = 64  # offsets of tensors in a shared region
+
+
+def to_shared(a: np.ndarray, region: mmap.mmap, offset: int) -> tuple[tensor_pb2.Tensor, int]:
+    """Write `a` into `region` at `offset` (a multiple of SHARED_ALIGN); the Tensor naming it,
+    and the next free aligned offset. ValueError when it does not fit."""
+    a = np.ascontiguousarray(a)
+    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
+    if dt.name not in WIRE_DTYPES:
+        raise InvalidArgument(f"dtype {a.dtype} cannot cross the wire; expected one of {WIRE_DTYPES}")
+    end = offset + a.nbytes
+    if offset % SHARED_ALIGN or end > len(region):
+        raise ValueError(f"{a.nbytes} bytes at offset {offset} do not fit the {len(region)}-byte region")
+    np.frombuffer(region, dtype=np.uint8, count=a.nbytes, offset=offset)[:] = a.astype(dt, copy=False).view(np.uint8).reshape(-1)
+    t = tensor_pb2.Tensor(dtype=dt.name, shape=list(a.shape), shared=tensor_pb2.SharedSlice(offset=offset))
+    return t, -(-end // SHARED_ALIGN) * SHARED_ALIGN
+
+
 def from_pb(
     t: tensor_pb2.Tensor,
     field: str,
     dtype: str | None = None,
     ndim: int | None = None,
+    region: mmap.mmap | None = None,
 ) -> np.ndarray:
-    """Decode and check a Tensor. `field` names it in errors ("hidden", "expert_ids", ...)."""
+    """Decode and check a Tensor. `field` names it in errors ("hidden", "expert_ids", ...).
+    `region`: the local lane's shared memory, where a `shared` tensor's bytes are (a view of
+    them is returned: valid while the lane's peer leaves them alone, i.e. for the call)."""
     if not t.dtype:
         raise InvalidArgument(f"{field}: missing tensor")
     if t.dtype not in WIRE_DTYPES:
@@ -39,6 +66,15 @@ def from_pb(
         raise InvalidArgument(f"{field}: negative dimension in shape {list(shape)}")
     dt = np.dtype(t.dtype).newbyteorder("<")
     expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if t.HasField("shared"):
+        if region is None:
+            raise InvalidArgument(f"{field}: a shared-memory tensor outside a local lane")
+        off = t.shared.offset
+        if t.data or off % SHARED_ALIGN or off + expected > len(region):
+            raise InvalidArgument(f"{field}: shared slice at offset {off} of {expected} bytes for shape "
+                                  f"{list(shape)} {t.dtype} is not inside the {len(region)}-byte region")
+        view = np.frombuffer(region, dtype=dt, count=int(np.prod(shape, dtype=np.int64)), offset=off)
+        return view.reshape(shape).astype(dt.newbyteorder("="), copy=False)
     if len(t.data) != expected:
         raise InvalidArgument(
             f"{field}: {len(t.data)} bytes for shape {list(shape)} {t.dtype} (expected {expected})"

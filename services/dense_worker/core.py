@@ -78,7 +78,7 @@ class WorkerCore:
             self.clock = PhaseClock()
             self.experts = RemoteExperts(settings.expert_store.address, self.model_id,
                                          timeout_s=inf.expert_timeout_s, clock=self.clock,
-                                         hidden_size=args.hidden_size)
+                                         hidden_size=args.hidden_size, local_lane=inf.local_lane)
             self.ops = FastOps(threads=threads if threads is not None else profile_threads(settings))
             self.model = Model(args, load_dense(self.container), self.ops, self.experts)
             instrument(self.model, self.clock)

@@ -9,9 +9,12 @@ Legend: T = rows, D = hidden, K = experts per row, E = experts per layer.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from moetier.errors import InvalidArgument
+from moetier.rpc.local import LocalServer
 from moetier.rpc.tensors import from_pb, to_pb
 from moetier.rpc.v1 import expert_store_pb2 as pb
 from moetier.store.compute import ComputeResult
@@ -38,11 +41,12 @@ def _check_ids(ids: np.ndarray, shape: ModelShape, what: str) -> None:
         raise InvalidArgument(f"{what}: expert id {int(ids[at])} at {list(at)} is outside [0, {shape.n_experts})")
 
 
-def compute_from_pb(req: pb.ComputeExpertsRequest, shape: ModelShape) -> ComputeBatch:
+def compute_from_pb(req: pb.ComputeExpertsRequest, shape: ModelShape, region: mmap.mmap | None = None) -> ComputeBatch:
+    """`region`: the local lane's shared memory, where its calls' tensors are (None on gRPC)."""
     _check_layer(req.layer, shape)
-    hidden = from_pb(req.hidden, "hidden", dtype="float32", ndim=2)  # [T, D]
-    ids = from_pb(req.expert_ids, "expert_ids", dtype="int32", ndim=2)  # [T, K]
-    weights = from_pb(req.weights, "weights", dtype="float32", ndim=2)  # [T, K]
+    hidden = from_pb(req.hidden, "hidden", dtype="float32", ndim=2, region=region)  # [T, D]
+    ids = from_pb(req.expert_ids, "expert_ids", dtype="int32", ndim=2, region=region)  # [T, K]
+    weights = from_pb(req.weights, "weights", dtype="float32", ndim=2, region=region)  # [T, K]
     t, d = hidden.shape
     if t == 0:
         raise InvalidArgument("hidden: empty batch (T = 0 rows)")
@@ -65,9 +69,12 @@ def compute_from_pb(req: pb.ComputeExpertsRequest, shape: ModelShape) -> Compute
                         step=req.step if req.HasField("step") else None)
 
 
-def compute_to_pb(r: ComputeResult) -> pb.ComputeExpertsResponse:
-    return pb.ComputeExpertsResponse(output=to_pb(r.output), hits=r.hits, misses=r.misses, load_ns=r.load_ns,
-                                     compute_ns=r.compute_ns)
+def compute_to_pb(r: ComputeResult, with_output: bool = True) -> pb.ComputeExpertsResponse:
+    """with_output=False: the output is the caller's to place (the local lane's region)."""
+    resp = pb.ComputeExpertsResponse(hits=r.hits, misses=r.misses, load_ns=r.load_ns, compute_ns=r.compute_ns)
+    if with_output:
+        resp.output.CopyFrom(to_pb(r.output))
+    return resp
 
 
 def prefetch_from_pb(req: pb.PrefetchRequest, shape: ModelShape) -> PrefetchHint:
@@ -85,9 +92,10 @@ def _disk_state(state: str, files: int) -> str:
     return "absent" if state != "ok" and files == 0 else state
 
 
-def info_to_pb(info: StoreInfo) -> pb.InfoResponse:
+def info_to_pb(info: StoreInfo, lane: LocalServer | None = None) -> pb.InfoResponse:
     s = info.shape
     return pb.InfoResponse(
+        local_socket=lane.name if lane is not None else "", local_token=lane.token if lane is not None else "",
         model_id=s.model_id, arch=s.arch, hidden_size=s.hidden_size, moe_layers=list(s.moe_layers),
         n_experts=s.n_experts, top_k=s.top_k, record_bytes=s.record_bytes, budget_bytes=info.budget_bytes,
         policy=info.policy, expert_dtype=s.expert_dtype, store_id=info.store_id,

@@ -182,6 +182,7 @@ class StoreCore:
         self._hints_refused = 0  # hinted experts dropped here: stale step or prefetch disabled
         self._placement: tuple[tuple[object, ...], npt.NDArray[np.uint8]] | None = None
         self._saver: asyncio.Task[None] | None = None
+        self._notes = threading.Lock()  # step and routing notes: the event loop and the lane threads
         self.metrics = StoreMetrics(self.tier_stats, self.shape.moe_layers, config.policy)
         log.info("expert store %s: %s (%s, %d MoE layers x %d experts, %d-byte records), budget %d bytes, "
                  "policy %s, %d mirror(s), %s", self.store_id, settings.model.path, self.shape.arch,
@@ -255,6 +256,17 @@ class StoreCore:
                                      result.compute_ns)
         return result
 
+    def compute_here(self, batch: ComputeBatch) -> ComputeResult:
+        """`compute` on the calling thread (a local lane connection's, which is there to compute
+        its calls): the tier-compute loop run here, its waits for reads and room included. The
+        batch was checked against `shape`."""
+        self._note_step(batch.step)
+        self._note_routing(batch.layer, batch.ids)
+        result = self.experts.run(batch.layer, batch.hidden, batch.ids, batch.weights)
+        self.metrics.observe_compute(batch.layer, batch.hidden.shape[0], result.waves, result.load_ns,
+                                     result.compute_ns)
+        return result
+
     async def _on_compute_thread(self, batch: ComputeBatch, job: ComputeJob | None) -> ComputeResult:
         """`finish` (and `start`, unless the job was started here) on a compute thread. A cancelled
         caller leaves nothing pinned: a job not yet started is abandoned here, one that waits for
@@ -289,26 +301,29 @@ class StoreCore:
         n = len(np.unique(hint.ids))
         stale = hint.step is not None and hint.step < self._step
         if stale or not self.settings.storage.prefetch:
-            self._hints_refused += n
+            with self._notes:
+                self._hints_refused += n
             return PrefetchResult(queued=0, resident=0, dropped=n)
         self._note_step(hint.step)
         out = self.tier.hint(hint.layer, hint.ids)
         return PrefetchResult(queued=out.queued, resident=out.present, dropped=out.dropped)
 
     def _note_step(self, step: int | None) -> None:
-        if step is None or step <= self._step:
-            return
-        # each step ages queued prefetch reads; past prefetch_max_age more steps change nothing
-        for _ in range(min(step - self._step, self.tier.config.prefetch_max_age + 1)):
-            self.tier.new_step()
-        self._step = step
+        with self._notes:
+            if step is None or step <= self._step:
+                return
+            # each step ages queued prefetch reads; past prefetch_max_age more steps change nothing
+            for _ in range(min(step - self._step, self.tier.config.prefetch_max_age + 1)):
+                self.tier.new_step()
+            self._step = step
 
     def _note_routing(self, layer: int, ids: I32) -> None:
         row = self._row[layer]
         flat = ids.reshape(-1)
-        self._counts[row] += np.bincount(flat, minlength=self.shape.n_experts).astype(np.uint32)
-        self._recent[row] = 0
-        self._recent[row, flat] = 1
+        with self._notes:
+            self._counts[row] += np.bincount(flat, minlength=self.shape.n_experts).astype(np.uint32)
+            self._recent[row] = 0
+            self._recent[row, flat] = 1
 
     # ---- observation ----------------------------------------------------------------
     def tier_stats(self) -> TierStats:

@@ -12,10 +12,17 @@ server does: a ComputeExperts answer is T x D x 4 bytes.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import mmap
+import os
+
 import grpc
+import numpy as np
 
 from moetier.cluster import MemberAgent
 from moetier.rpc.errors import rpc_errors
+from moetier.rpc.local import LocalServer
 from moetier.rpc.serving import ServiceServer, listen, new_server, run_until_signal, with_bound_port
 from moetier.rpc.v1 import expert_store_pb2 as pb
 from moetier.rpc.v1 import expert_store_pb2_grpc as pb_grpc
@@ -32,12 +39,13 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 class ExpertStoreServicer(pb_grpc.ExpertStoreServicer):
     """Thin: protobuf in, domain call, protobuf out."""
 
-    def __init__(self, core: StoreCore) -> None:
+    def __init__(self, core: StoreCore, lane: LocalServer | None = None) -> None:
         self.core = core
+        self.lane = lane
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         async with rpc_errors(context, "Info"):
-            return convert.info_to_pb(self.core.info())
+            return convert.info_to_pb(self.core.info(), self.lane)
 
     async def ComputeExperts(self, request: pb.ComputeExpertsRequest,
                              context: grpc.aio.ServicerContext) -> pb.ComputeExpertsResponse:
@@ -58,27 +66,67 @@ class ExpertStoreServicer(pb_grpc.ExpertStoreServicer):
 
 
 class StoreServer(ServiceServer[StoreCore]):
-    """The gRPC server plus what lives beside it: the core, health, /metrics, the router agent.
-    Starting warms the kernels while health says NOT_SERVING; stopping gives running calls the
-    grace period, then saves the usage history and closes the files."""
+    """The gRPC server plus what lives beside it: the core, health, /metrics, the router agent,
+    the local lane. Starting warms the kernels while health says NOT_SERVING; stopping closes
+    the lane (its calls in flight finish), gives running gRPC calls the grace period, then
+    saves the usage history and closes the files."""
 
     def __init__(self, settings: Settings, core: StoreCore, server: grpc.aio.Server,
-                 agent: MemberAgent | None) -> None:
+                 agent: MemberAgent | None, lane: LocalServer | None = None) -> None:
         super().__init__("expert store", SERVICE_NAME, settings.expert_store, core, server, agent)
+        self.lane = lane
+
+    async def start(self) -> None:
+        if self.lane is not None:
+            self.lane.start()
+            self.log.info("local lane %s", self.lane.name)
+        await super().start()
+
+    async def stop(self, grace: float | None) -> None:
+        if self.lane is not None:
+            await asyncio.to_thread(self.lane.close)
+        await super().stop(grace)
+
+
+def open_lane(core: StoreCore) -> LocalServer | None:
+    """The store's local lane (Linux: an abstract unix socket and memfd regions), its calls
+    converted here and computed by `core.compute_here` on the lane's connection thread."""
+    if not hasattr(os, "memfd_create"):
+        return None
+
+    def compute(req: pb.ComputeExpertsRequest, region: mmap.mmap) -> tuple[pb.ComputeExpertsResponse, np.ndarray]:
+        with core.metrics.count_errors():
+            result = core.compute_here(convert.compute_from_pb(req, core.shape, region))
+        return convert.compute_to_pb(result, with_output=False), result.output
+
+    def prefetch(req: pb.PrefetchRequest) -> None:
+        core.prefetch(convert.prefetch_from_pb(req, core.shape))
+
+    try:
+        return LocalServer(compute, prefetch)
+    except OSError as e:
+        logging.getLogger(__name__).warning("no local lane (%s): callers on this host use gRPC", e)
+        return None
 
 
 def create_server(settings: Settings, bind: str = "127.0.0.1:0", *, register: bool = False,
-                  threads: int | None = None, history_interval_s: float = 30.0) -> tuple[StoreServer, int]:
+                  threads: int | None = None, history_interval_s: float = 30.0,
+                  local_lane: bool = True) -> tuple[StoreServer, int]:
     """An expert store bound to `bind` (port 0: any free port), not yet started; and its port.
     register: join the router at settings.router.address (as settings.expert_store.id, reachable
     at settings.expert_store.address, port 0 there meaning the bound port). threads: kernel threads
-    per call (default: core.kernel_threads()). history_interval_s: learned policy history saves."""
+    per call (default: core.kernel_threads()). history_interval_s: learned policy history saves.
+    local_lane: also serve the local lane (moetier/rpc/local.py) where the platform has one."""
     core = StoreCore(settings, threads=threads, history_interval_s=history_interval_s)
+    lane = None
     try:
         server = new_server(GRPC_OPTIONS)
-        pb_grpc.add_ExpertStoreServicer_to_server(ExpertStoreServicer(core), server)
+        lane = open_lane(core) if local_lane else None
+        pb_grpc.add_ExpertStoreServicer_to_server(ExpertStoreServicer(core, lane), server)
         port = listen(server, bind, "expert store")
     except BaseException:
+        if lane is not None:
+            lane.close()
         core.close()
         raise
     agent = None
@@ -87,7 +135,7 @@ def create_server(settings: Settings, bind: str = "127.0.0.1:0", *, register: bo
         shape = core.shape
         agent = MemberAgent.from_settings(settings, "expert_store", model_id=shape.model_id,
                                           owned=[(layer, 0, shape.n_experts) for layer in shape.moe_layers])
-    return StoreServer(settings, core, server, agent), port
+    return StoreServer(settings, core, server, agent, lane), port
 
 
 async def serve(settings: Settings, grace_s: float = 5.0) -> None:

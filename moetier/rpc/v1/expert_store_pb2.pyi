@@ -26,7 +26,7 @@ class DiskInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[float] = ..., files: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "arch", "hidden_size", "moe_layers", "n_experts", "top_k", "record_bytes", "budget_bytes", "policy", "expert_dtype", "disks", "store_id")
+    __slots__ = ("model_id", "arch", "hidden_size", "moe_layers", "n_experts", "top_k", "record_bytes", "budget_bytes", "policy", "expert_dtype", "disks", "store_id", "local_socket", "local_token")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class InfoResponse(_message.Message):
     EXPERT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     DISKS_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     arch: str
     hidden_size: int
@@ -51,7 +53,33 @@ class InfoResponse(_message.Message):
     expert_dtype: str
     disks: _containers.RepeatedCompositeFieldContainer[DiskInfo]
     store_id: str
-    def __init__(self, model_id: _Optional[str] = ..., arch: _Optional[str] = ..., hidden_size: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., record_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., policy: _Optional[str] = ..., expert_dtype: _Optional[str] = ..., disks: _Optional[_Iterable[_Union[DiskInfo, _Mapping]]] = ..., store_id: _Optional[str] = ...) -> None: ...
+    local_socket: str
+    local_token: str
+    def __init__(self, model_id: _Optional[str] = ..., arch: _Optional[str] = ..., hidden_size: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., record_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., policy: _Optional[str] = ..., expert_dtype: _Optional[str] = ..., disks: _Optional[_Iterable[_Union[DiskInfo, _Mapping]]] = ..., store_id: _Optional[str] = ..., local_socket: _Optional[str] = ..., local_token: _Optional[str] = ...) -> None: ...
+
+class LocalHello(_message.Message):
+    __slots__ = ("token", "region_bytes")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    region_bytes: int
+    def __init__(self, token: _Optional[str] = ..., region_bytes: _Optional[int] = ...) -> None: ...
+
+class LocalReady(_message.Message):
+    __slots__ = ("store_id",)
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    store_id: str
+    def __init__(self, store_id: _Optional[str] = ...) -> None: ...
+
+class LocalError(_message.Message):
+    __slots__ = ("code", "message", "retry_after_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    retry_after_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class ComputeExpertsRequest(_message.Message):
     __slots__ = ("layer", "hidden", "expert_ids", "weights", "step")

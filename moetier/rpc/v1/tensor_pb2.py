@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moetier/v1/tensor.proto\x12\nmoetier.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moetier/v1/tensor.proto\x12\nmoetier.v1\"m\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12,\n\x06shared\x18\x04 \x01(\x0b\x32\x17.moetier.v1.SharedSliceH\x00\x88\x01\x01\x42\t\n\x07_shared\"\x1d\n\x0bSharedSlice\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,5 +32,7 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moetier.v1.tensor_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSOR']._serialized_start=39
-  _globals['_TENSOR']._serialized_end=91
+  _globals['_TENSOR']._serialized_end=148
+  _globals['_SHAREDSLICE']._serialized_start=150
+  _globals['_SHAREDSLICE']._serialized_end=179
 # @@protoc_insertion_point(module_scope)
