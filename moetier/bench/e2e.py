@@ -97,6 +97,10 @@ def register(sub: Any) -> None:
                    help="replacement policy of both tiers (default: settings cache.policy)")
     p.add_argument("--fio-records", type=int, default=64, help="records fio reads per trial (default 64)")
     p.add_argument("--copy-mb", type=int, default=512, help="size of the memory bandwidth copy (default 512 MiB)")
+    p.add_argument("--no-local-lane", action="store_true", help="the dense worker calls the expert store over gRPC "
+                   "only (inference.local_lane false), not over its local lane")
+    p.add_argument("--probe-calls", type=int, default=100, help="ComputeExperts calls of the round-trip probe, per "
+                   "transport and cluster trial (default 100)")
     p.set_defaults(func=run)
 
 
@@ -236,6 +240,7 @@ class Trial:
     memory_gbps: float
     start_s: float
     requests: list[Request] = field(default_factory=list)
+    probe: dict[str, float] = field(default_factory=dict)  # cluster: the ComputeExperts round-trip probe
 
     @property
     def s_per_token(self) -> float:
@@ -258,6 +263,7 @@ class Setup:
     fio: str
     fio_records: int
     copy: tuple[np.ndarray, np.ndarray]
+    probe_calls: int
 
 
 def run(args: argparse.Namespace) -> int:
@@ -294,7 +300,7 @@ def prepare(args: argparse.Namespace, fio: str) -> Setup:
 
     model = models.resolve_model(args)
     overrides: dict[str, Any] = {"model": {"path": str(model), "expert_cache": args.budget},
-                                 "inference": {"prefix_cache_bytes": "0"}}
+                                 "inference": {"prefix_cache_bytes": "0", "local_lane": not args.no_local_lane}}
     if args.policy:
         overrides["cache"] = {"policy": args.policy}
     settings = load_settings(args.config, overrides=overrides)
@@ -316,7 +322,7 @@ def prepare(args: argparse.Namespace, fio: str) -> Setup:
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the pages in
     return Setup(model, settings, config, prompt, args.tokens, default_threads(), record, dense, files, fio,
-                 args.fio_records, (src, dst))
+                 args.fio_records, (src, dst), args.probe_calls)
 
 
 def trial(s: Setup, kind: str, root: bool) -> Trial:
@@ -433,8 +439,57 @@ def _cluster_trial(s: Setup, t: Trial) -> None:
                 _quiesce(lambda: cluster.scrape("expert_store").get("moetier_expert_store_loading_bytes", 0.0))
                 assert first is not None
                 t.requests.append(_request(s, t, toks, before, first, end, step_ns / 1e9))
+            if s.probe_calls > 0:
+                t.probe = hop_probe(cluster.settings.expert_store.address, s.probe_calls)
     finally:
         shutil.rmtree(data, ignore_errors=True)
+
+
+def hop_probe(address: str, calls: int) -> dict[str, float]:
+    """The ComputeExperts round trip from this process to the store, beyond the store's own time
+    (its load_ns + compute_ns), over gRPC and over the local lane, alternating call by call: one
+    decode row of the first MoE layer routed to its first K experts (resident after the first call).
+    Medians in seconds; the store's own time beside them."""
+    import grpc
+
+    from moetier.rpc.local import LocalClient
+    from moetier.rpc.tensors import to_pb
+    from moetier.rpc.v1 import expert_store_pb2 as pb
+    from moetier.rpc.v1 import expert_store_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.ExpertStoreStub(channel)
+        info = stub.Info(pb.InfoRequest(), timeout=30)
+        x = np.ones((1, info.hidden_size), dtype=np.float32)  # [T, D]
+        ids = np.arange(info.top_k, dtype=np.int32).reshape(1, -1)  # [T, K]
+        w = np.full(ids.shape, 1.0 / info.top_k, dtype=np.float32)
+        layer = info.moe_layers[0]
+        req = pb.ComputeExpertsRequest(layer=layer, hidden=to_pb(x), expert_ids=to_pb(ids), weights=to_pb(w))
+        lane = LocalClient.connect(info.local_socket, info.local_token) if info.local_socket else None
+        rt: dict[str, list[float]] = {"grpc": [], "lane": []}
+        own: dict[str, list[float]] = {"grpc": [], "lane": []}
+        try:
+            stub.ComputeExperts(req, timeout=60)  # the experts resident
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                r = stub.ComputeExperts(req, timeout=60)
+                rt["grpc"].append(time.perf_counter() - t0)
+                own["grpc"].append((r.load_ns + r.compute_ns) / 1e9)
+                if lane is not None:
+                    t0 = time.perf_counter()
+                    r, _ = lane.compute(pb.ComputeExpertsRequest(layer=layer), x, ids, w, 60)
+                    rt["lane"].append(time.perf_counter() - t0)
+                    own["lane"].append((r.load_ns + r.compute_ns) / 1e9)
+        finally:
+            if lane is not None:
+                lane.close()
+    out: dict[str, float] = {}
+    for kind in ("grpc", "lane"):
+        if rt[kind]:
+            out[f"{kind}_round_trip_s"] = statistics.median(rt[kind])
+            out[f"{kind}_store_s"] = statistics.median(own[kind])
+            out[f"{kind}_hop_s"] = statistics.median(a - b for a, b in zip(rt[kind], own[kind], strict=True))
+    return out
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -493,7 +548,8 @@ def summarize(s: Setup, args: argparse.Namespace, rounds: list[dict[str, Any]], 
         "policy": s.config.policy, "batch": 1, "prompt_tokens": len(s.prompt), "tokens": s.tokens,
         "record_bytes": s.record_bytes, "dense_step_bytes": s.dense_step_bytes,
         "queue_depth": s.settings.storage.queue_depth, "page_cache_dropped": root,
-        "cpus": s.cpus,
+        "cpus": s.cpus, "local_lane": s.settings.inference.local_lane,
+        "probe": {k: _spread([t.probe[k] for t in clu if k in t.probe]) for k in (clu[0].probe if clu else {})},
         "fio_gbps": _spread([t.fio_gbps for t in eng + clu]),
         "memory_gbps": _spread([t.memory_gbps for t in eng + clu]),
         "engine": _system(eng), "cluster": _system(clu),
@@ -505,7 +561,7 @@ def summarize(s: Setup, args: argparse.Namespace, rounds: list[dict[str, Any]], 
 
 def _trial_json(t: Trial) -> dict[str, Any]:
     return {"fio_gbps": t.fio_gbps, "memory_gbps": t.memory_gbps, "start_s": t.start_s,
-            "s_per_token": t.s_per_token,
+            "s_per_token": t.s_per_token, "probe": t.probe,
             "requests": [{**{k: v for k, v in asdict(r).items() if k != "tokens"},
                           "decode_tok_s": r.tok_s, "bound_s": r.decode.bound_s} for r in t.requests]}
 
@@ -519,7 +575,8 @@ def _print(o: dict[str, Any]) -> None:
           f"policy {o['policy']}, batch 1, {o['prompt_tokens']} prompt + {o['tokens']} generated tokens per "
           f"request, {len(o['rounds'])} rounds (ABBA); page cache {'dropped' if o['page_cache_dropped'] else 'NOT dropped (not root)'} "
           "before each trial")
-    print(f"cluster services: a process each, started as `moetier up` starts them; {o['cpus']} CPUs")
+    print(f"cluster services: a process each, started as `moetier up` starts them; the worker calls the store "
+          f"over {'its local lane' if o['local_lane'] else 'gRPC only'}; {o['cpus']} CPUs")
     print(f"bounds measured before each trial: fio {_fmt(o['fio_gbps'])} GB/s (randread O_DIRECT, bs "
           f"{o['record_bytes']} = record, iodepth {o['queue_depth']}); memory {_fmt(o['memory_gbps'], f='.1f')} "
           f"GB/s (numpy copy); dense bytes per step {o['dense_step_bytes'] / 1e6:.0f} MB")
@@ -549,6 +606,13 @@ def _print(o: dict[str, Any]) -> None:
                       f"call, {_fmt(h['calls_per_token'], f='.0f')} calls); worker step "
                       f"{_fmt(h['worker_step_s'], 1e3, '.0f')} ms -> router + stream hop "
                       f"{_fmt(h['stream_hop_s'], 1e3, '.1f')} ms")
+    pr = o["probe"]
+    if pr:
+        lane = (f"; local lane {_fmt(pr['lane_round_trip_s'], 1e3, '.3f')} ms, of which the hop "
+                f"{_fmt(pr['lane_hop_s'], 1e3, '.3f')} ms" if "lane_hop_s" in pr else "")
+        print(f"\nComputeExperts round trip, 1 row, experts resident (the store's own time "
+              f"{_fmt(pr['grpc_store_s'], 1e3, '.3f')} ms): gRPC {_fmt(pr['grpc_round_trip_s'], 1e3, '.3f')} ms, "
+              f"of which the hop {_fmt(pr['grpc_hop_s'], 1e3, '.3f')} ms{lane}")
     rounds = ", ".join(f"{x:.3f}" for x in o["hop_overhead_rounds"])
     print(f"\ntokens equal (cluster vs engine, temperature 0): {'yes' if o['tokens_match'] else 'NO'}")
     print(f"hop_overhead = cluster / engine decode time per token = {o['hop_overhead']:.3f} "

@@ -121,14 +121,15 @@ INLINE_ROWS = 4
 COMPUTE_THREADS = 4  # calls computed (or waiting for their reads) at once, beyond inline ones
 
 def kernel_threads() -> int:
-    """Kernel threads per call: the CPUs this process may use (`default_threads()`), less one
-    for the event loop, gRPC and the I/O workers, which must not wait behind the kernels. The
+    """Kernel threads per call: every CPU this process may use (`default_threads()`), as the
+    dense worker and the in-process engine. A decode step alternates between the worker (its
+    attention, gates, shared experts) and the store (the routed experts): while the store
+    computes, the worker waits for its answer, so a store kernel on fewer threads leaves cores
+    idle (with CPUs - 1 the cluster kept 1.13 of 2 cores busy in compute-bound decode). The
     kernels cut a call into chunks that the calling thread and the pool's helpers claim from an
-    atomic counter, so a helper the OS does not schedule delays no call by much; the core left
-    free is for latency, not to avoid a stall. Measured through ComputeExperts of the demo model
-    on 2 busy cores (median/max ms, T = 1, 8, 64 rows): 1 thread 0.4/0.6, 2/2.7, 9/10; 2
-    threads 0.6-1.1/2-4, 3-6/5-9, 9-12/17-50."""
-    return max(1, default_threads() - 1)
+    atomic counter, so a helper the OS does not schedule (the worker's shared expert overlaps
+    the call) delays no call by much."""
+    return default_threads()
 
 
 def shape_of(container: Container) -> ModelShape:
