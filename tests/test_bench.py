@@ -113,9 +113,11 @@ def test_bench_cache_records_model_traces_once(tiny: Path, capsys: pytest.Captur
 
 
 @needs_fio
+@pytest.mark.timeout(240)  # two clusters of three service processes each, started as `moetier up` starts them
 def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     r = run_json(capsys, ["bench", "e2e", "--json", "--model", str(tiny), "--budget", "100%", "--tokens", "3",
-                          "--prompt-tokens", "6", "--rounds", "2", "--fio-records", "4", "--copy-mb", "8"])
+                          "--prompt-tokens", "6", "--rounds", "2", "--fio-records", "4", "--copy-mb", "8",
+                          "--probe-calls", "5"])
     assert {"hop_overhead", "ratio", "target", "tokens_match", "fio_gbps", "memory_gbps", "engine", "cluster",
             "rounds", "dense_step_bytes", "record_bytes"} <= set(r)
     assert r["ratio"] == r["hop_overhead"] > 0 and len(r["hop_overhead_rounds"]) == 2
@@ -135,3 +137,7 @@ def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
                          "calls_per_token", "stream_hop_s"}
     cold = r["cluster"]["cold"]["hops"]  # the services' /metrics (the tiny model's decode is over within a scrape
     assert cold["calls_per_token"]["max"] > 0 and cold["store_s"]["max"] > 0  # or two: the cold phase's counts)
+    assert r["local_lane"] is True  # the worker's default: the store is on this host
+    probe = r["probe"]  # the round trip over both transports, beside the store's own time
+    assert {"grpc_round_trip_s", "grpc_hop_s", "lane_round_trip_s", "lane_hop_s"} <= set(probe)
+    assert probe["grpc_round_trip_s"]["min"] > probe["grpc_store_s"]["min"] > 0

@@ -188,3 +188,26 @@ def test_the_library_never_imports_a_service() -> None:
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "services" or n.startswith("services.") for n in names), path
+
+
+def test_the_engine_starts_a_layer_with_misses_on_a_helper_and_returns_at_once(tmp_path: Path) -> None:
+    """TieredExperts.moe_start: resident experts computed here (nothing to wait for); with a read
+    to wait for, the loop runs on a helper while the caller goes on (its shared expert), and the
+    result is `moe`'s bits."""
+    index = f32_set(tmp_path)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, D), dtype=np.float32)
+    ids = np.array([[1, 2], [2, 3]], dtype=np.int32)
+    w = rng.random((2, 2), dtype=np.float32)
+    ops = FastOps(threads=1)
+    with TieredExperts(None, ops, ExpertTier.open(index, TierConfig(budget_bytes=8 * 8192), depth=2)) as experts, \
+            TieredExperts(None, ops, ExpertTier.open(index, TierConfig(budget_bytes=8 * 8192), depth=2)) as ref:
+        want = ref.moe(1, x, ids, w)
+        disk = Disk(experts.tier.engine, hold=True)
+        call = experts.moe_start(1, x, ids, w)  # returns with the reads held at the gate
+        disk.wait_active(2)  # the I/O engine's depth
+        disk.gate.set()
+        np.testing.assert_array_equal(call.result(), want)
+        resident = experts.moe_start(1, x, ids, w)  # everything resident now: computed at once
+        assert disk.reads() == 3
+        np.testing.assert_array_equal(resident.result(), want)

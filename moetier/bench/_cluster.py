@@ -1,7 +1,8 @@
 """The cluster a benchmark runs: router, expert store and dense worker started the way `moetier up`
-starts them (the same commands, one config file, health-gated, in start order), each a process of
-its own, observed only through what the services publish: their /metrics, the router's Generate
-stream, and each process's CPU time (/proc/<pid>/stat).
+starts them (the same commands and one config file, each a process of its own; started at once
+rather than one after another, so their imports and warm-ups overlap: each retries what it needs
+until it answers), observed only through what the services publish: their /metrics, the router's
+Generate stream, and each process's CPU time (/proc/<pid>/stat).
 
     with LocalCluster.start(settings, model, data_dir) as cluster:
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
@@ -93,6 +94,7 @@ class LocalCluster:
             specs: list[ServiceSpec] = [s for s in service_specs(settings, model, config) if s.name in SERVICES]
             for spec in specs:
                 procs[spec.name] = sup.start(spec)
+            for spec in specs:
                 sup.wait_healthy(spec, procs[spec.name], START_S)
             cluster = cls(settings, sup, procs)
             cluster.wait_registered()

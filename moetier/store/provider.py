@@ -10,11 +10,17 @@ layer's batch union pinned wave by wave, each expert computed as soon as it is r
 `Ops.moe` itself ends in. So a tiered model computes exactly what a model with every
 expert in memory computes, and exactly what the expert store computes.
 
+A layer with a shared expert starts its routed experts with `moe_start`: when some of them
+must be read, the loop runs on one helper thread while the step thread computes the shared
+expert, so the reads overlap that too (as in the cluster, where the store computes while
+the worker does); when all are resident it runs here, with no hand-off.
+
 Legend: T = rows, D = hidden, K = experts per token.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -22,7 +28,7 @@ import numpy.typing as npt
 
 from moetier.errors import InvalidArgument
 from moetier.model.ops import Ops
-from moetier.store.compute import ComputeStats, TierCompute
+from moetier.store.compute import ComputeResult, ComputeStats, TierCompute
 from moetier.store.tier import ExpertTier, TierConfig
 from moetier.weights.container import Container
 
@@ -42,6 +48,7 @@ class TieredExperts:
         self.tier = tier
         self.compute = TierCompute(tier, ops)
         self._last_layer = -1
+        self._helper: ThreadPoolExecutor | None = None  # runs `moe_start` calls that wait for reads
 
     @classmethod
     def open(cls, container: Container, ops: Ops, config: TierConfig, **engine_options: Any) -> TieredExperts:
@@ -59,6 +66,17 @@ class TieredExperts:
         self._note_layer(layer)
         return self.compute.run(layer, x, ids, weights).output
 
+    def moe_start(self, layer: int, x: F32, ids: I32, weights: F32) -> _Pending | _Ready:
+        """`moe` under way (see the module docstring); `result()` gives its output."""
+        self._note_layer(layer)
+        job = self.compute.start(layer, x, ids, weights, block=True)
+        assert job is not None
+        if job.resident:
+            return _Ready(self.compute.finish(job).output)
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetier-experts")
+        return _Pending(self._helper.submit(self.compute.finish, job))
+
     @property
     def waves(self) -> int:
         """Waves computed (one per moe call whose union fits the budget)."""
@@ -73,6 +91,8 @@ class TieredExperts:
         self.tier.prefetch(layer, ids)
 
     def close(self) -> None:
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
         self.tier.close()
 
     def __enter__(self) -> TieredExperts:
@@ -80,3 +100,25 @@ class TieredExperts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Ready:
+    def __init__(self, y: F32) -> None:
+        self._y = y
+
+    def result(self) -> F32:
+        return self._y
+
+    def abandon(self) -> None:
+        pass
+
+
+class _Pending:
+    def __init__(self, fut: Future[ComputeResult]) -> None:
+        self._fut = fut
+
+    def result(self) -> F32:
+        return self._fut.result().output
+
+    def abandon(self) -> None:
+        """The loop releases its pins when it ends; nobody reads its output."""
