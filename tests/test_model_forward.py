@@ -166,19 +166,30 @@ def test_prefetch_hints_are_measured_and_change_nothing(checkpoints: dict[str, C
     np.testing.assert_array_equal(teacher_forced_logits(off, ids), teacher_forced_logits(on, ids))
     hints_on = on.experts.hints  # type: ignore[attr-defined]
     moe_layers = on.args.moe_layer_ids
-    # each MoE layer hints itself, then the next MoE layer (prefetch_ahead = 1) from the same hidden state
-    assert [layer for layer, _ in hints_on] == [x for a, b in zip(moe_layers, [*moe_layers[1:], None], strict=True)
-                                                for x in ((a, b) if b is not None else (a,))]
+    plan = on.prefetch_plan  # PREFETCH_PLAN: this MoE layer, the next, the one after
+    # each MoE layer hints itself, then the next MoE layers of the plan, from the same hidden state
+    want = [m for n, a in enumerate(moe_layers) for m in moe_layers[n:n + len(plan)]]
+    assert [layer for layer, _ in hints_on] == want
     assert all(np.all(np.diff(h) > 0) for _, h in hints_on)  # sorted, unique
+    sizes = iter(len(h) for _, h in hints_on)
+    for n, _ in enumerate(moe_layers):  # at most `plan[d]` experts per row (10 rows) at distance d
+        for d in range(min(len(plan), len(moe_layers) - n)):
+            assert 0 < next(sizes) <= 10 * plan[d]
     st = on.stats.prefetch
     assert st.actual > 0 and 0 <= st.hits <= min(st.predicted, st.actual)
     assert 0.0 <= st.recall <= 1.0 and set(st.by_layer) == set(moe_layers)
     ahead = on.stats.ahead  # one layer earlier: every MoE layer but the first
     assert set(ahead.by_layer) == set(moe_layers[1:]) and 0 <= ahead.hits <= min(ahead.predicted, ahead.actual)
-    alone = model_of(checkpoints["deepseek_v3"], prefetch_ahead=0)
-    np.testing.assert_array_equal(teacher_forced_logits(alone, ids), teacher_forced_logits(off, ids))
-    assert [layer for layer, _ in alone.experts.hints] == moe_layers  # type: ignore[attr-defined]
-    assert off.experts.hints == [] and off.stats.prefetch.actual == 0  # type: ignore[attr-defined]
+    k = on.args.num_experts_per_tok
+    full = model_of(checkpoints["deepseek_v3"], prefetch_plan=(k,))  # every pick of the layer itself
+    one = model_of(checkpoints["deepseek_v3"], prefetch_plan=(1,))  # each row's most weighted pick
+    for m in (full, one):
+        np.testing.assert_array_equal(teacher_forced_logits(m, ids), teacher_forced_logits(off, ids))
+    assert [layer for layer, _ in full.experts.hints] == moe_layers  # type: ignore[attr-defined]
+    for (la, a), (lb, b) in zip(full.experts.hints, one.experts.hints, strict=True):  # type: ignore[attr-defined]
+        assert la == lb and set(b.tolist()) <= set(a.tolist()) and len(b) <= 10
+    with pytest.raises(ValueError, match="prefetch_plan"):
+        model_of(checkpoints["deepseek_v3"], prefetch_plan=())
     assert on.stats.steps == 1 and on.stats.tokens == 10
 
 
