@@ -167,3 +167,33 @@ async def test_remote_experts_reconnect_the_lane_after_a_store_restart(model: Pa
         assert remote._lane is not None and remote._lane is not lane  # a new lane, to the new store
         np.testing.assert_array_equal(again, first)
         remote.close()
+
+
+async def test_a_store_stopping_without_grace_cuts_a_lane_call_waiting_for_its_reads(model: Path,
+                                                                                     tmp_path: Path) -> None:
+    """stop(0) does not wait for a lane call in flight (as gRPC's stop(0) cancels its calls): the
+    caller gets UNAVAILABLE while the call's read is still held."""
+    from helpers_store import Disk
+
+    x, ids, w = batch(np.random.default_rng(5), 1)
+    settings = load_settings(overrides={
+        "model": {"path": str(model), "expert_cache": "100%"}, "cache": {"policy": "lru"},
+        "data_dir": str(tmp_path / "data"),
+        "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0}}, environ={})
+    server, port = create_server(settings, "127.0.0.1:0", threads=1)
+    await server.start()
+    disk = Disk(server.core.tier.engine, hold=True)
+    remote = RemoteExperts(f"127.0.0.1:{port}", (await info(port)).model_id, timeout_s=20, hidden_size=D)
+    stopping: asyncio.Future[None] | None = None
+    try:
+        call = asyncio.ensure_future(asyncio.to_thread(remote.moe, 1, x, ids, w))
+        await asyncio.to_thread(disk.wait_active, 1)
+        assert remote._lane is not None
+        stopping = asyncio.ensure_future(server.stop(0))
+        with pytest.raises(Unavailable, match="closed the lane"):
+            await asyncio.wait_for(call, 10)
+        assert disk.active >= 1  # cut, not answered: the read is still held
+    finally:
+        disk.gate.set()
+        await (stopping if stopping is not None else server.stop(0))
+        remote.close()

@@ -33,6 +33,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -185,7 +186,10 @@ class LocalServer:
                 log.exception("ComputeExperts on the local lane failed")
             return _error(e)
 
-    def close(self) -> None:
+    def close(self, grace_s: float | None = None) -> None:
+        """Stop accepting; let each connection's call in flight finish and answer (its next
+        read ends the connection), for `grace_s` seconds at most (None: as long as they take),
+        then cut the connections that are still computing (their callers see the lane closed)."""
         with self._lock:
             self._closed = True
             conns = list(self._conns)
@@ -194,11 +198,17 @@ class LocalServer:
         self._sock.close()
         for c in conns:
             with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
+                c.shutdown(socket.SHUT_RD)  # an idle connection ends now, a computing one after its answer
         if self._acceptor.is_alive():
             self._acceptor.join(5)
+        deadline = None if grace_s is None else time.monotonic() + grace_s
         for t in self._threads:
-            t.join(30)  # a call computing finishes first
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            late = list(self._conns)
+        for c in late:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
 
 
 def _after(req: pb.ComputeExpertsRequest) -> int:

@@ -68,8 +68,8 @@ class ExpertStoreServicer(pb_grpc.ExpertStoreServicer):
 class StoreServer(ServiceServer[StoreCore]):
     """The gRPC server plus what lives beside it: the core, health, /metrics, the router agent,
     the local lane. Starting warms the kernels while health says NOT_SERVING; stopping closes
-    the lane (its calls in flight finish), gives running gRPC calls the grace period, then
-    saves the usage history and closes the files."""
+    the lane (its calls in flight get the grace period to finish, as gRPC's do), gives running
+    gRPC calls the grace period, then saves the usage history and closes the files."""
 
     def __init__(self, settings: Settings, core: StoreCore, server: grpc.aio.Server,
                  agent: MemberAgent | None, lane: LocalServer | None = None) -> None:
@@ -84,7 +84,7 @@ class StoreServer(ServiceServer[StoreCore]):
 
     async def stop(self, grace: float | None) -> None:
         if self.lane is not None:
-            await asyncio.to_thread(self.lane.close)
+            await asyncio.to_thread(self.lane.close, grace)
         await super().stop(grace)
 
 
