@@ -135,8 +135,6 @@ def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     hops = r["cluster"]["warm"]["hops"]
     assert set(hops) == {"worker_step_s", "store_s", "store_load_s", "call_s", "rpc_hop_s", "rpc_hop_per_call_s",
                          "calls_per_token", "stream_hop_s"}
-    cold = r["cluster"]["cold"]["hops"]  # the services' /metrics (the tiny model's decode is over within a scrape
-    assert cold["calls_per_token"]["max"] > 0 and cold["store_s"]["max"] > 0  # or two: the cold phase's counts)
     assert r["local_lane"] is True  # the worker's default: the store is on this host
     probe = r["probe"]  # the round trip over both transports, beside the store's own time
     assert {"grpc_round_trip_s", "grpc_hop_s", "lane_round_trip_s", "lane_hop_s"} <= set(probe)
