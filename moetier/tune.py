@@ -11,13 +11,13 @@ that differs is refused loudly, never chosen.
     profile = to_profile(results, rates)
 
 Tuned: kernel threads of the dense worker (FastOps at batch 1 on the model's expert shape), the
-expert store's I/O queue depth (= its read workers; random record reads, the smallest depth
-within 5% of the best), O_DIRECT on the primary disk (against buffered reads from a cold cache:
-the record files' pages evicted with posix_fadvise first; buffered only when it is faster), and the prefetch depth (the in-process
-engine's decode tok/s at the configured expert cache). Not tunable here: prefetch lookahead (the
-model hints exactly the next layer; there is no setting), the store's inline-compute threshold
-(a constant of the expert store, services/expert_store/core.py INLINE_ROWS), and speculation
-(this project has no MTP drafting yet).
+expert store's I/O queue depth (= its read workers; random record reads, the smallest depth within
+5% of the best), O_DIRECT on the primary disk (against buffered reads from a cold cache: the record
+files' pages evicted with posix_fadvise first; buffered only when it is faster), and the prefetch
+depth (the in-process engine's decode tok/s at the configured expert cache). Not tunable here:
+prefetch lookahead (the model's fixed PREFETCH_PLAN hints this MoE layer and the next two; there is
+no setting), the store's inline-compute threshold (a constant of the expert store,
+services/expert_store/core.py INLINE_ROWS), and speculation (this project has no MTP drafting yet).
 """
 
 from __future__ import annotations
