@@ -128,10 +128,11 @@ def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
             p = r[kind][phase]
             for key in ("ttft_s", "decode_tok_s", "s_per_token", "bound_s", "disk_bound_s", "memory_bound_s",
                         "hit_rate", "missed_mb_per_token", "touched_mb_per_token", "prefetch_recall", "expert_s",
-                        "read_wait_s", "rest_s", "cpu_busy"):
+                        "read_wait_s", "rest_s", "cpu_busy", "machine_busy"):
                 assert set(p[key]) == {"median", "min", "max"}, key
             assert p["touched_mb_per_token"]["min"] > 0
             assert p["cpu_busy"]["min"] >= 0  # CPU seconds / (decode seconds x CPUs), in clock ticks
+            assert p["machine_busy"]["min"] >= 0
     hops = r["cluster"]["warm"]["hops"]
     assert set(hops) == {"worker_step_s", "store_s", "store_load_s", "call_s", "rpc_hop_s", "rpc_hop_per_call_s",
                          "calls_per_token", "stream_hop_s"}
@@ -139,3 +140,16 @@ def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     probe = r["probe"]  # the round trip over both transports, beside the store's own time
     assert {"grpc_round_trip_s", "grpc_hop_s", "lane_round_trip_s", "lane_hop_s"} <= set(probe)
     assert probe["grpc_round_trip_s"]["min"] > probe["grpc_store_s"]["min"] > 0
+
+
+def test_machine_busy_counts_this_process_among_the_others() -> None:
+    import time
+
+    from moetier.bench._cluster import machine_busy_s
+
+    m0, c0 = machine_busy_s(), time.process_time()
+    while time.process_time() - c0 < 0.3:  # this thread busy on one of the CPUs
+        pass
+    dm, dc = machine_busy_s() - m0, time.process_time() - c0
+    assert dm >= 0.5 * dc  # the machine's busy seconds include this process's (others' come on top)
+    assert machine_busy_s(set()) == 0.0  # no CPUs, no busy seconds

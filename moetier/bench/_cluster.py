@@ -53,6 +53,22 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of proc(5))
 
 
+def machine_busy_s(cpus: set[int] | None = None) -> float:
+    """CPU seconds the machine's CPUs (`cpus`: these only; default: those this process may use)
+    spent busy since boot, whoever ran: /proc/stat's user + nice + system + irq + softirq + steal
+    (idle and iowait are not busy). Beside a system's own CPU seconds it tells what the others
+    on a shared machine took."""
+    want = os.sched_getaffinity(0) if cpus is None else cpus
+    busy = 0
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *ticks = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in want:
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in ticks[:8])
+                busy += user + nice + system + irq + softirq + steal
+    return busy / _TICK
+
+
 def parse_metrics(text: str) -> Sample:
     out: Sample = {}
     for fam in text_string_to_metric_families(text):

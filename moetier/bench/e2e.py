@@ -32,7 +32,9 @@ decode step the time beside its bounds, counted from the tier's and the model's 
     embedding row); memory bound = that / memory GB/s (a numpy copy, as `bench compute`);
   * bound = max(disk, memory): reads and compute overlap (DESIGN.md, performance model);
   * CPU busy = CPU seconds of the system's processes during decode (the engine: this process;
-    the cluster: its three services) / (decode seconds x the CPUs this process may use).
+    the cluster: its three services) / (decode seconds x the CPUs this process may use); beside
+    it the machine's busy share of those CPUs (/proc/stat, every process): on a shared machine
+    the difference is what others took, and 1 - that share is what was left idle.
 
 Also the prefetch recall (hinted experts the layer then used / experts it used) and where the
 time goes: the model's wait on its expert provider (engine: the tier-compute loop's pins, read
@@ -65,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from moetier.bench import models
-from moetier.bench._cluster import LocalCluster, Sample, total
+from moetier.bench._cluster import LocalCluster, Sample, machine_busy_s, total
 from moetier.bench.compute import copy_gbps
 from moetier.bench.io import _drop_page_cache, _fio_pass, find_fio
 from moetier.errors import InvalidArgument
@@ -111,6 +113,7 @@ class Counts:
 
     t: float
     cpu_s: float = 0.0  # CPU seconds of the system's processes
+    machine_s: float = 0.0  # busy CPU seconds of the CPUs this process may use, whoever ran (/proc/stat)
     hits: int = 0
     misses: int = 0
     submitted: int = 0  # distinct reads submitted (demand + prefetch)
@@ -168,7 +171,7 @@ def counts(t: float, cpu_s: float, *parts: dict[str, Any]) -> Counts:
     merged: dict[str, Any] = {}
     for part in parts:
         merged.update(part)
-    return Counts(t, cpu_s, **merged)
+    return Counts(t, cpu_s, machine_busy_s(), **merged)
 
 
 @dataclass
@@ -185,6 +188,7 @@ class Phase:
     memory_bound_s: float
     recall: float  # prefetch recall of the step's MoE layers
     cpu_busy: float  # CPU seconds / (seconds x CPUs)
+    machine_busy: float  # the same for every process on those CPUs (the system and whatever else ran)
     expert_s: float  # per step: the model's wait on its expert provider
     store_s: float  # cluster, per step: the store's load + kernel time (0 for the engine)
     read_wait_s: float  # per step: the tier's wait for demanded reads (within expert_s, or store_s)
@@ -216,6 +220,7 @@ def phase(d: Counts, steps: int, record: int, dense_step: int, fio_gbps: float, 
     return Phase(steps, d.t, d.hits / demanded if demanded else 0.0, missed_b, d.read_bytes / steps, touched_b,
                  missed_b / (fio_gbps * 1e9), touched_b / (mem_gbps * 1e9),
                  d.pf_hits / d.actual if d.actual else 0.0, d.cpu_s / (d.t * cpus) if d.t > 0 else 0.0,
+                 d.machine_s / (d.t * cpus) if d.t > 0 else 0.0,
                  d.expert_s / steps, (d.store_load_s + d.store_compute_s) / steps, d.read_wait_s / steps,
                  d.store_load_s / steps, d.call_s / steps, d.calls / steps)
 
@@ -518,6 +523,7 @@ def _system(trials: list[Trial]) -> dict[str, Any]:
             "prefetch_recall": _spread([p.recall for p in d]),
             "prefill_missed_mb": _spread([r.prefill_missed_bytes / 1e6 for r in reqs]),
             "cpu_busy": _spread([p.cpu_busy for p in d]),
+            "machine_busy": _spread([p.machine_busy for p in d]),
             "expert_s": _spread([p.expert_s for p in d]),
             "read_wait_s": _spread([p.read_wait_s for p in d]),
             "rest_s": _spread([p.s_per_token - p.expert_s for p in d]),
@@ -588,7 +594,8 @@ def _print(o: dict[str, Any]) -> None:
             r = sysd[name]
             print(f"  {name}: TTFT {_fmt(r['ttft_s'], f='.2f')} s (prompt read {_fmt(r['prefill_missed_mb'], f='.0f')} "
                   f"MB), decode {_fmt(r['decode_tok_s'], f='.2f')} tok/s, hit rate {_fmt(r['hit_rate'], f='.2f')}, "
-                  f"prefetch recall {_fmt(r['prefetch_recall'], f='.2f')}, CPU busy {_fmt(r['cpu_busy'], f='.2f')}")
+                  f"prefetch recall {_fmt(r['prefetch_recall'], f='.2f')}, CPU busy {_fmt(r['cpu_busy'], f='.2f')} "
+                  f"(every process on those CPUs {_fmt(r['machine_busy'], f='.2f')})")
             print(f"        per step {_fmt(r['s_per_token'], 1e3, '.0f')} ms beside its bound "
                   f"{_fmt(r['bound_s'], 1e3, '.0f')} ms (bound / time {_fmt(r['bound_over_time'], f='.2f')}): "
                   f"disk {_fmt(r['disk_bound_s'], 1e3, '.0f')} ms = {_fmt(r['missed_mb_per_token'], f='.0f')} MB "
