@@ -128,11 +128,12 @@ def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
             p = r[kind][phase]
             for key in ("ttft_s", "decode_tok_s", "s_per_token", "bound_s", "disk_bound_s", "memory_bound_s",
                         "hit_rate", "missed_mb_per_token", "touched_mb_per_token", "prefetch_recall", "expert_s",
-                        "read_wait_s", "rest_s", "cpu_busy", "machine_busy"):
+                        "read_wait_s", "rest_s", "cpu_busy", "machine_busy", "cpu_wait", "cpu_s_per_token"):
                 assert set(p[key]) == {"median", "min", "max"}, key
             assert p["touched_mb_per_token"]["min"] > 0
             assert p["cpu_busy"]["min"] >= 0  # CPU seconds / (decode seconds x CPUs), in clock ticks
-            assert p["machine_busy"]["min"] >= 0
+            assert p["machine_busy"]["min"] >= 0 and p["cpu_wait"]["min"] >= 0
+            assert p["cpu_s_per_token"]["min"] > 0  # a decode step computes
     hops = r["cluster"]["warm"]["hops"]
     assert set(hops) == {"worker_step_s", "store_s", "store_load_s", "call_s", "rpc_hop_s", "rpc_hop_per_call_s",
                          "calls_per_token", "stream_hop_s"}
@@ -153,3 +154,16 @@ def test_machine_busy_counts_this_process_among_the_others() -> None:
     dm, dc = machine_busy_s() - m0, time.process_time() - c0
     assert dm >= 0.5 * dc  # the machine's busy seconds include this process's (others' come on top)
     assert machine_busy_s(set()) == 0.0  # no CPUs, no busy seconds
+
+
+def test_process_wait_sums_its_threads() -> None:
+    import os
+    import threading
+
+    from moetier.bench._cluster import process_wait_s
+
+    if not os.path.exists(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/schedstat"):
+        pytest.skip("this kernel keeps no schedstat")
+    before = process_wait_s(os.getpid())
+    assert before >= 0 and process_wait_s(os.getpid()) >= before  # monotonic over the live threads
+    assert process_wait_s(2**22 + 1) == 0.0  # no such process: nothing waited

@@ -8,6 +8,7 @@ Generate stream, and each process's CPU time (/proc/<pid>/stat).
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(cluster.router_address))
         cluster.scrape("expert_store")   # {"moetier_expert_store_hits_total": ..., ...}
         cluster.cpu_seconds()            # user + system seconds of the three processes since they started
+        cluster.wait_seconds()           # their threads' seconds runnable but waiting for a CPU
 
 The gateway is not started: a benchmark speaks to the router as the gateway does. Every port is
 a free one chosen at start (another `moetier up` on this machine is left alone).
@@ -51,6 +52,22 @@ def process_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15 of proc(5))
+
+
+def process_wait_s(pid: int) -> float:
+    """Seconds the threads of a process now alive spent runnable but waiting for a CPU (the
+    scheduler's run-queue delay, /proc/<pid>/task/*/schedstat; 0 where the kernel keeps none)."""
+    out = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            out += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended meanwhile
+    return out / 1e9
 
 
 def machine_busy_s(cpus: set[int] | None = None) -> float:
@@ -130,6 +147,10 @@ class LocalCluster:
 
     def cpu_seconds(self) -> float:
         return sum(process_cpu_s(pid) for pid in self.pids.values())
+
+    def wait_seconds(self) -> float:
+        """The three processes' run-queue delay (`process_wait_s`)."""
+        return sum(process_wait_s(pid) for pid in self.pids.values())
 
     def wait_registered(self, timeout_s: float = 30.0) -> None:
         """Until the router lists a dense worker and an expert store (its /metrics says so)."""

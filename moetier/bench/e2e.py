@@ -33,8 +33,10 @@ decode step the time beside its bounds, counted from the tier's and the model's 
   * bound = max(disk, memory): reads and compute overlap (DESIGN.md, performance model);
   * CPU busy = CPU seconds of the system's processes during decode (the engine: this process;
     the cluster: its three services) / (decode seconds x the CPUs this process may use); beside
-    it the machine's busy share of those CPUs (/proc/stat, every process): on a shared machine
-    the difference is what others took, and 1 - that share is what was left idle.
+    it the system's CPU seconds per token, its run-queue wait (seconds its threads were
+    runnable but waited for a CPU, /proc/<pid>/task/*/schedstat, over the same decode seconds x
+    CPUs) and the machine's busy share of those CPUs (/proc/stat, every process): on a shared
+    machine the difference is what others took, and 1 - that share is what was left idle.
 
 Also the prefetch recall (hinted experts the layer then used / experts it used) and where the
 time goes: the model's wait on its expert provider (engine: the tier-compute loop's pins, read
@@ -67,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from moetier.bench import models
-from moetier.bench._cluster import LocalCluster, Sample, machine_busy_s, total
+from moetier.bench._cluster import LocalCluster, Sample, machine_busy_s, process_wait_s, total
 from moetier.bench.compute import copy_gbps
 from moetier.bench.io import _drop_page_cache, _fio_pass, find_fio
 from moetier.errors import InvalidArgument
@@ -113,6 +115,7 @@ class Counts:
 
     t: float
     cpu_s: float = 0.0  # CPU seconds of the system's processes
+    wait_s: float = 0.0  # seconds the system's threads were runnable but waited for a CPU
     machine_s: float = 0.0  # busy CPU seconds of the CPUs this process may use, whoever ran (/proc/stat)
     hits: int = 0
     misses: int = 0
@@ -167,11 +170,11 @@ def worker_counts(m: Sample) -> dict[str, Any]:
             "calls": int(total(m, dw + "expert_call_seconds_count"))}
 
 
-def counts(t: float, cpu_s: float, *parts: dict[str, Any]) -> Counts:
+def counts(t: float, cpu_s: float, wait_s: float, *parts: dict[str, Any]) -> Counts:
     merged: dict[str, Any] = {}
     for part in parts:
         merged.update(part)
-    return Counts(t, cpu_s, machine_busy_s(), **merged)
+    return Counts(t, cpu_s, wait_s, machine_busy_s(), **merged)
 
 
 @dataclass
@@ -188,7 +191,9 @@ class Phase:
     memory_bound_s: float
     recall: float  # prefetch recall of the step's MoE layers
     cpu_busy: float  # CPU seconds / (seconds x CPUs)
-    machine_busy: float  # the same for every process on those CPUs (the system and whatever else ran)
+    cpu_wait: float  # run-queue seconds of the system's threads / (seconds x CPUs): wanted, not given
+    machine_busy: float  # CPU busy of every process on those CPUs (the system and whatever else ran)
+    cpu_s: float  # per step: the system's CPU seconds
     expert_s: float  # per step: the model's wait on its expert provider
     store_s: float  # cluster, per step: the store's load + kernel time (0 for the engine)
     read_wait_s: float  # per step: the tier's wait for demanded reads (within expert_s, or store_s)
@@ -220,7 +225,8 @@ def phase(d: Counts, steps: int, record: int, dense_step: int, fio_gbps: float, 
     return Phase(steps, d.t, d.hits / demanded if demanded else 0.0, missed_b, d.read_bytes / steps, touched_b,
                  missed_b / (fio_gbps * 1e9), touched_b / (mem_gbps * 1e9),
                  d.pf_hits / d.actual if d.actual else 0.0, d.cpu_s / (d.t * cpus) if d.t > 0 else 0.0,
-                 d.machine_s / (d.t * cpus) if d.t > 0 else 0.0,
+                 d.wait_s / (d.t * cpus) if d.t > 0 else 0.0, d.machine_s / (d.t * cpus) if d.t > 0 else 0.0,
+                 d.cpu_s / steps,
                  d.expert_s / steps, (d.store_load_s + d.store_compute_s) / steps, d.read_wait_s / steps,
                  d.store_load_s / steps, d.call_s / steps, d.calls / steps)
 
@@ -378,7 +384,8 @@ def _engine_trial(s: Setup, t: Trial) -> None:
         def now() -> Counts:
             c = engine.experts.stats()
             pf = engine.model.stats.prefetch
-            return counts(time.perf_counter(), time.process_time(), tier_counts(tier.stats()),
+            return counts(time.perf_counter(), time.process_time(), process_wait_s(os.getpid()),
+                          tier_counts(tier.stats()),
                           {"predicted": pf.predicted, "actual": pf.actual, "pf_hits": pf.hits,
                            "expert_s": c.load_s + c.compute_s, "call_s": c.load_s + c.compute_s,
                            "calls": c.calls})
@@ -422,9 +429,9 @@ def _cluster_trial(s: Setup, t: Trial) -> None:
             def now() -> Counts:
                 # the moment the client saw; both services scraped at once (the decode goes on meanwhile,
                 # a scrape is milliseconds against a step of the benchmark model's hundreds)
-                at, cpu = time.perf_counter(), cluster.cpu_seconds()
+                at, cpu, wait = time.perf_counter(), cluster.cpu_seconds(), cluster.wait_seconds()
                 store, worker = pool.map(cluster.scrape, ("expert_store", "dense_worker"))
-                return counts(at, cpu, store_counts(store), worker_counts(worker))
+                return counts(at, cpu, wait, store_counts(store), worker_counts(worker))
 
             for i in range(2):
                 req = generate_pb2.GenerateRequest(
@@ -523,7 +530,9 @@ def _system(trials: list[Trial]) -> dict[str, Any]:
             "prefetch_recall": _spread([p.recall for p in d]),
             "prefill_missed_mb": _spread([r.prefill_missed_bytes / 1e6 for r in reqs]),
             "cpu_busy": _spread([p.cpu_busy for p in d]),
+            "cpu_wait": _spread([p.cpu_wait for p in d]),
             "machine_busy": _spread([p.machine_busy for p in d]),
+            "cpu_s_per_token": _spread([p.cpu_s for p in d]),
             "expert_s": _spread([p.expert_s for p in d]),
             "read_wait_s": _spread([p.read_wait_s for p in d]),
             "rest_s": _spread([p.s_per_token - p.expert_s for p in d]),
@@ -595,7 +604,8 @@ def _print(o: dict[str, Any]) -> None:
             print(f"  {name}: TTFT {_fmt(r['ttft_s'], f='.2f')} s (prompt read {_fmt(r['prefill_missed_mb'], f='.0f')} "
                   f"MB), decode {_fmt(r['decode_tok_s'], f='.2f')} tok/s, hit rate {_fmt(r['hit_rate'], f='.2f')}, "
                   f"prefetch recall {_fmt(r['prefetch_recall'], f='.2f')}, CPU busy {_fmt(r['cpu_busy'], f='.2f')} "
-                  f"(every process on those CPUs {_fmt(r['machine_busy'], f='.2f')})")
+                  f"({_fmt(r['cpu_s_per_token'], 1e3, '.0f')} CPU ms per token; waiting for a CPU "
+                  f"{_fmt(r['cpu_wait'], f='.2f')}; every process on those CPUs {_fmt(r['machine_busy'], f='.2f')})")
             print(f"        per step {_fmt(r['s_per_token'], 1e3, '.0f')} ms beside its bound "
                   f"{_fmt(r['bound_s'], 1e3, '.0f')} ms (bound / time {_fmt(r['bound_over_time'], f='.2f')}): "
                   f"disk {_fmt(r['disk_bound_s'], 1e3, '.0f')} ms = {_fmt(r['missed_mb_per_token'], f='.0f')} MB "
