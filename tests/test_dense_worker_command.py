@@ -25,7 +25,7 @@ from moetier.rpc.v1 import dense_worker_pb2_grpc, generate_pb2
 from moetier.settings import load_settings
 from services.expert_store.server import create_server as create_store
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(240)  # a process's start (imports, kernel warm-up) on two busy cores
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -63,7 +63,7 @@ async def test_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             health = health_pb2_grpc.HealthStub(ch)
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 180  # started, however busy the machine (not a timing check)
             while True:
                 try:
                     resp = await health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
