@@ -3,13 +3,12 @@ environment are the ones `moetier up` runs (moetier.launch.service_specs, modulo
 paths), and it runs: its services' exact commands and environment as local processes (service
 hostnames and 0.0.0.0 on loopback, every port a container listens on moved to a free one,
 the volumes on temporary directories, `moetier` this environment's), in compose's order, gated
-by its own healthcheck commands, until a chat completes through the gateway. Where a Docker
-engine answers, the image is built and the stack brought up for real."""
+by its own healthcheck commands, until a chat completes through the gateway.
+tests/test_compose_engine.py builds the image and brings the stack up on a Docker engine."""
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import json
 import os
@@ -30,10 +29,8 @@ from helpers_observability import free_ports
 from helpers_up import eventually, moetier_argv
 
 from moetier.cli import build_parser
-from moetier.convert.synth import write_container
-from moetier.engine import DEMO_SEED
-from moetier.launch import DEMO_PRESET, SERVICES, service_specs
-from moetier.settings import ModelSection, Settings, load_settings
+from moetier.launch import SERVICES, demo_model_dir, service_specs
+from moetier.settings import Settings, load_settings
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 OBSERVE = ROOT / "deploy" / "compose.observe.yml"
 IMAGE = "moetier:latest"
-VOLUMES = ("/models", "/data", "/mirror")  # where the moetier services' volumes are mounted
+VOLUMES = ("/data/models", "/data", "/mirror")  # where the moetier services' volumes are mounted (longest first)
 HOSTS = ("router", "dense_worker", "expert_store", "gateway", "0.0.0.0", "127.0.0.1", "localhost")
 HOST_PORT = re.compile(r"\b(?:" + "|".join(re.escape(h) for h in HOSTS) + r"):(\d+)\b")
 
@@ -223,15 +220,16 @@ def test_compose_runs_what_moetier_up_runs() -> None:
     for before, after in itertools.pairwise(SERVICES):
         assert depends_on(services[after]) == {before: "service_healthy"}, after
 
-    # the `model` init service builds what up's ensure_model builds: the demo preset, same seed,
-    # quantization and group size, at the path the services serve
+    # the `model` init service is up's own first step (launch.ensure_model, `moetier up --prepare`)
+    # run with up's environment: data_dir alone, no model named, so it prepares the demo model
+    # exactly where the services look for it
     model = services["model"]
     assert model["command"][0] == "moetier" and model.get("restart") == "no"
     args = build_parser().parse_args(model["command"][1:])
-    assert (args.command, args.preset, args.format, args.if_missing) == ("synth", DEMO_PRESET, "container", True)
-    assert (args.seed, args.experts, args.dense) == (DEMO_SEED, ModelSection().experts, ModelSection().dense)
-    assert args.group_size == inspect.signature(write_container).parameters["group_size"].default
-    assert Path(args.out) == model_dir and model_dir.name == DEMO_PRESET
+    assert (args.command, args.prepare, args.model, args.config) == ("up", True, None, None)
+    assert model["environment"] == {"MOETIER_DATA_DIR": str(data_dir)}
+    assert model_dir == demo_model_dir(load_settings(environ=model["environment"]))
+    assert model["volumes"] == services["router"]["volumes"]
     # published: the gateway alone
     assert [n for n, s in load_compose()["services"].items() if s.get("ports")] == ["gateway"]
 
@@ -321,7 +319,7 @@ def local_compose(root: Path) -> Iterator[LocalCompose]:
     ports = dict(zip(sorted(container_ports), free_ports(len(container_ports)), strict=True))
     dirs = {v: root / v.strip("/") for v in VOLUMES}
     for d in dirs.values():
-        d.mkdir(parents=True)
+        d.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir()
     lc = LocalCompose(services, ports, dirs, root / "logs", {})
     try:
@@ -349,7 +347,7 @@ def test_compose_file_runs_as_local_processes(tmp_path: Path) -> None:
                            _seconds(service["healthcheck"]["interval"]) * service["healthcheck"]["retries"],
                            f"{name} healthy", every_s=0.5)
         t_up = time.monotonic()
-        assert (lc.dirs["/models"] / "demo" / "moetier.json").is_file()  # built by the `model` service
+        assert (lc.dirs["/data/models"] / "demo" / "moetier.json").is_file()  # built by the `model` service
         gateway_port = int(lc.services["gateway"]["ports"][0].rsplit(":", 1)[1])
         r = httpx.post(f"http://127.0.0.1:{lc.ports[gateway_port]}/v1/chat/completions", timeout=60,
                        json={"model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
@@ -357,41 +355,3 @@ def test_compose_file_runs_as_local_processes(tmp_path: Path) -> None:
         assert r.json()["choices"][0]["message"]["content"]
         assert (lc.dirs["/data"] / "prefix-cache").is_dir()  # the data volume is where the services keep state
     print(f"\ncompose as local processes: healthy in {t_up - t0:.1f} s, chat in {time.monotonic() - t_up:.1f} s")
-
-
-# ---- a Docker engine -------------------------------------------------------------------------
-
-
-@pytest.mark.timeout(2400)
-def test_compose_stack_on_a_docker_engine(tmp_path: Path) -> None:
-    docker = pytest.importorskip("docker")
-    try:
-        docker.from_env().ping()
-    except Exception as e:  # no socket, no permission, engine down: all mean "no engine here"
-        pytest.skip(f"no Docker engine answers here ({type(e).__name__}: {e}); the stack is exercised as local "
-                    "processes by test_compose_file_runs_as_local_processes")
-    cli = compose_cli()
-    if cli is None:
-        pytest.skip("a Docker engine but no docker compose command")
-    (port,) = free_ports(1)
-    project = f"moetier-test-{os.getpid()}"
-    env = clean_env(MOETIER_MODELS_DIR=str(tmp_path / "models"), MOETIER_PORT=str(port))
-    base = [*cli, "-p", project, "-f", str(COMPOSE)]
-    try:
-        # `up gateway` starts it and what it depends on: model, router, expert_store, dense_worker
-        r = subprocess.run([*base, "up", "-d", "--build", "gateway"], capture_output=True, text=True,
-                           timeout=1800, cwd=ROOT, env=env)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-
-        def answers() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        eventually(answers, 300, "the gateway container healthy", every_s=2)
-        r2 = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
-                        json={"model": "demo", "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]})
-        assert r2.status_code == 200, r2.text
-    finally:
-        subprocess.run([*base, "down", "-v", "--remove-orphans"], capture_output=True, timeout=600, cwd=ROOT, env=env)
