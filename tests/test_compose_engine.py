@@ -126,7 +126,7 @@ def engine() -> Iterator[Engine]:
             os.killpg(proc.pid, signal.SIGKILL)  # its containerd, should it outlive it
         log.close()
         _unmount_under(root)
-        shutil.rmtree(root, ignore_errors=True)
+        subprocess.run(["rm", "-rf", "--one-file-system", str(root)], timeout=600)  # faster than rmtree
 
 
 # ---- what the build needs, made on this host -------------------------------------------------
@@ -146,8 +146,9 @@ def make_base_image(engine: Engine, work: Path) -> float:
     return time.monotonic() - t0
 
 
-def build_context(work: Path) -> Path:
-    """The repository's files the image and compose read, with a wheelhouse in deploy/wheels/."""
+def build_context(work: Path) -> tuple[Path, subprocess.Popen[str]]:
+    """The repository's files the image and compose read, and `pip wheel` started on its way to
+    filling deploy/wheels/ with the wheels of moetier's dependencies and build requirements."""
     ctx = _mkdir(work / "context")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.egg-info", "wheels")
     for name in ("pyproject.toml", "README.md", ".dockerignore", COMPOSE.name):
@@ -158,11 +159,10 @@ def build_context(work: Path) -> Path:
     wheels.mkdir()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     build = project["build-system"]["requires"]
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check",
-                        "--wheel-dir", str(wheels), *build, *project["project"]["dependencies"]],
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"pip wheel failed (is PyPI reachable?):\n{r.stderr[-3000:]}"
-    return ctx
+    proc = subprocess.Popen([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check",
+                             "--wheel-dir", str(wheels), *build, *project["project"]["dependencies"]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return ctx, proc
 
 
 def _mkdir(path: Path) -> Path:
@@ -217,13 +217,20 @@ def base_image(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> floa
     return make_base_image(engine, tmp_path_factory.mktemp("base"))
 
 
-def test_compose_stack_on_a_docker_engine(engine: Engine, base_image: float, tmp_path: Path) -> None:
+def test_compose_stack_on_a_docker_engine(engine: Engine, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     from openai import OpenAI
 
-    t_base = base_image
     t0 = time.monotonic()
-    ctx = build_context(tmp_path)
-    t_wheels = time.monotonic() - t0
+    ctx, wheels = build_context(tmp_path)  # pip wheel runs while the base image is made
+    try:
+        t_base = request.getfixturevalue("base_image")
+        _, err = wheels.communicate(timeout=900)
+        assert wheels.returncode == 0, f"pip wheel failed (is PyPI reachable?):\n{err[-3000:]}"
+    finally:
+        if wheels.poll() is None:
+            wheels.kill()
+            wheels.wait()
+    t_ready = time.monotonic() - t0
     cli = compose_cli()
     assert cli is not None
     models = _mkdir(tmp_path / "models")
@@ -291,7 +298,7 @@ def test_compose_stack_on_a_docker_engine(engine: Engine, base_image: float, tmp
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("0.0.0.0", port))
-    print(f"\ndocker compose: base image (mmdebstrap + import) {t_base:.0f} s, wheelhouse {t_wheels:.0f} s, "
+    print(f"\ndocker compose: base image (mmdebstrap + import) {t_base:.0f} s, with the wheelhouse {t_ready:.0f} s, "
           f"image build {t_build:.0f} s, up until the gateway is healthy {t_up:.0f} s, first chat {t_chat:.1f} s")
 
 
