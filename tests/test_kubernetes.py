@@ -235,8 +235,8 @@ def test_demo_overlay_runs_what_compose_runs(tmp_path: Path) -> None:
         theirs = load_settings(environ={k: compose_on_loopback(v) for k, v in compose[name]["environment"].items()})
         assert per_pod(mine) == per_pod(theirs), name
         assert c["command"][:2] == compose[name]["command"], name
-        assert pod(ws[name]).get("initContainers", [{}])[0].get("command", compose["model"]["command"]) == \
-            compose["model"]["command"], name
+        for init in pod(ws[name]).get("initContainers", []):  # compose's model service, in each pod
+            assert (init["command"], env_of(init)) == (compose["model"]["command"], compose["model"]["environment"])
 
 
 # ---- probes, ports, metrics ------------------------------------------------------------------
