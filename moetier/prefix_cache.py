@@ -506,8 +506,8 @@ class PrefixCache:
                 continue
             try:
                 entry = self._scanned(path, header, _PRE.size + len(raw), plen)
-            except (FormatError, OSError, KeyError, TypeError, ValueError) as e:
-                self._reject(path, str(e))
+            except (FormatError, OSError, KeyError, TypeError, ValueError, ArithmeticError) as e:
+                self._reject(path, str(e))  # ArithmeticError: an infinite count, a hash beyond 64 bits
                 continue
             found.append((path.stat().st_mtime, entry))
         with self._lock:
@@ -561,7 +561,7 @@ class PrefixCache:
             if not np.array_equal(arrays["tokens"], entry.ids):
                 raise FormatError("its tokens are not the ones its header and name stand for")
             return arrays
-        except (FormatError, OSError, KeyError, TypeError, ValueError) as e:
+        except (FormatError, OSError, KeyError, TypeError, ValueError, ArithmeticError) as e:
             with self._lock:
                 self._drop(entry, "rejected")
             self._reject(path, str(e))

@@ -7,6 +7,7 @@ with the region reads a zero-copy view, checked like bytes are."""
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import numpy as np
@@ -15,6 +16,8 @@ from moetier.errors import InvalidArgument
 from moetier.rpc.v1 import tensor_pb2
 
 WIRE_DTYPES = ("float32", "int32", "float16", "uint8", "uint32")
+MAX_NDIM = 8  # no tensor of the protocol has more than 3; numpy's own limit is 64
+MAX_BYTES = 2**31  # a protobuf message is at most 2 GiB
 
 
 def to_pb(a: np.ndarray) -> tensor_pb2.Tensor:
@@ -64,8 +67,12 @@ def from_pb(
         raise InvalidArgument(f"{field}: {len(shape)}-D tensor of shape {list(shape)} where {ndim}-D is required")
     if any(s < 0 for s in shape):
         raise InvalidArgument(f"{field}: negative dimension in shape {list(shape)}")
+    if len(shape) > MAX_NDIM:
+        raise InvalidArgument(f"{field}: {len(shape)}-D tensor (at most {MAX_NDIM} dimensions)")
     dt = np.dtype(t.dtype).newbyteorder("<")
-    expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if math.prod(d for d in shape if d) * dt.itemsize > MAX_BYTES:  # even beside a 0, numpy refuses these
+        raise InvalidArgument(f"{field}: shape {list(shape)} has dimensions beyond any message ({MAX_BYTES} bytes)")
+    expected = math.prod(shape) * dt.itemsize  # Python ints: a product past int64 does not wrap to a fit
     if t.HasField("shared"):
         if region is None:
             raise InvalidArgument(f"{field}: a shared-memory tensor outside a local lane")
@@ -73,7 +80,7 @@ def from_pb(
         if t.data or off % SHARED_ALIGN or off + expected > len(region):
             raise InvalidArgument(f"{field}: shared slice at offset {off} of {expected} bytes for shape "
                                   f"{list(shape)} {t.dtype} is not inside the {len(region)}-byte region")
-        view = np.frombuffer(region, dtype=dt, count=int(np.prod(shape, dtype=np.int64)), offset=off)
+        view = np.frombuffer(region, dtype=dt, count=math.prod(shape), offset=off)
         return view.reshape(shape).astype(dt.newbyteorder("="), copy=False)
     if len(t.data) != expected:
         raise InvalidArgument(

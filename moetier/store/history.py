@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import struct
 import threading
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import numpy.lib.format as npformat
 import numpy.typing as npt
 import xxhash
 
@@ -74,20 +78,52 @@ def load_history(path: Path | str, layers: Sequence[int], n_experts: int,
         log.warning("usage history %s ignored: %s", path, why)
         return None
     try:
-        with np.load(io.BytesIO(data[_HEADER.size:]), allow_pickle=False) as z:
-            ident, lay, counts = str(z["identity"]), z["layers"], z["counts"]
-    except (OSError, KeyError, ValueError) as e:
+        z = _arrays(data[_HEADER.size:])
+        ident, lay, counts = z["identity"], z["layers"], z["counts"]
+    except (OSError, KeyError, ValueError, EOFError, RuntimeError, NotImplementedError, struct.error,
+            zipfile.BadZipFile) as e:
         log.warning("usage history %s ignored: unreadable payload (%s)", path, e)
         return None
-    if ident != identity or list(lay) != list(layers) or counts.shape != (len(layers), n_experts):
-        log.warning("usage history %s ignored: it belongs to another model (identity %s, %d layers x %d experts)",
-                    path, ident or "-", counts.shape[0], counts.shape[-1])
+    if ident.dtype.kind != "U" or lay.dtype != np.int32 or counts.dtype != np.float32:
+        log.warning("usage history %s ignored: arrays of dtypes %s, %s, %s (expected str, int32, float32)",
+                    path, ident.dtype, lay.dtype, counts.dtype)
+        return None
+    if (str(ident) != identity or lay.shape != (len(layers),) or lay.tolist() != list(layers)
+            or counts.shape != (len(layers), n_experts)):
+        log.warning("usage history %s ignored: it belongs to another model (identity %s, counts %s)",
+                    path, str(ident) or "-", list(counts.shape))
         return None
     if not np.all(np.isfinite(counts)) or np.any(counts < 0):
         log.warning("usage history %s ignored: invalid counts", path)
         return None
     log.info("usage history %s loaded (%d uses)", path, int(counts.sum()))
     return counts.astype(np.float64)
+
+
+def _arrays(payload: bytes) -> dict[str, npt.NDArray[Any]]:
+    """The payload's arrays. Each member's .npy header is read and checked against the bytes the
+    member holds before anything is allocated (np.load would allocate what a header declares):
+    stored members only, no object dtypes, the declared shape's bytes present."""
+    out: dict[str, npt.NDArray[Any]] = {}
+    with zipfile.ZipFile(io.BytesIO(payload)) as z:
+        for info in z.infolist():
+            name = info.filename.removesuffix(".npy")
+            if name not in ("identity", "layers", "counts"):
+                continue
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"member {info.filename} is compressed")
+            with z.open(info) as f:
+                version = npformat.read_magic(f)
+                shape, fortran, dtype = (npformat.read_array_header_1_0(f) if version == (1, 0)
+                                         else npformat.read_array_header_2_0(f))
+                if dtype.hasobject:
+                    raise ValueError(f"member {info.filename} holds objects")
+                need = math.prod(shape) * dtype.itemsize
+                raw = f.read(min(need, info.file_size) + 1)
+            if len(raw) != need:
+                raise ValueError(f"member {info.filename} holds {len(raw)} bytes, its header declares {need}")
+            out[name] = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+    return out
 
 
 def _check(data: bytes) -> str:

@@ -51,13 +51,29 @@ def _keys(obj: Any, required: set[str], optional: set[str], label: str) -> dict[
     return obj
 
 
+def _int(value: Any, label: str) -> int:
+    """A JSON integer (not a bool, float or string) or a FormatError naming the field."""
+    if type(value) is not int:
+        raise FormatError(f"{label}: expected an integer, got {value!r}"[:300])
+    return value
+
+
 def _load_json(path: Path, label: str) -> Any:
     try:
         return json.loads(path.read_bytes())
     except FileNotFoundError as e:
         raise FormatError(f"{label}: missing") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{label}: not valid JSON ({e})") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep or too long
+        raise FormatError(f"{label}: not valid JSON ({e})"[:300]) from e
+
+
+def within(root: Path, path: Path) -> bool:
+    """Whether `path`, its symlinks followed, stays inside `root` (a path from a file must not
+    lead out of the directory it was read from)."""
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
+        return False
 
 
 def _container_index(root: Path, doc: Any, args: ModelArgs, quant: dict[str, Any],
@@ -91,8 +107,8 @@ class Container:
         m = manifest
         try:
             self.args = ModelArgs.from_dict(m["model"])
-        except (ValueError, TypeError) as e:
-            raise FormatError(f"{MANIFEST}: model: {e}") from e
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise FormatError(f"{MANIFEST}: model: {e!r}"[:300]) from e
         q = _keys(m["quantization"], QUANT_KEYS, set(), f"{MANIFEST}: quantization")
         if q["experts"] not in EXPERTS_ALLOWED or q["dense"] not in DENSE_ALLOWED or not isinstance(
                 q["group_size"], int) or q["group_size"] <= 0:
@@ -106,7 +122,7 @@ class Container:
         sizes: dict[str, int] = {}
         for rel, ent in files.items():
             p = PurePosixPath(rel)
-            if p.is_absolute() or ".." in p.parts or rel == MANIFEST:
+            if p.is_absolute() or ".." in p.parts or rel == MANIFEST or not within(path, path / rel):
                 raise FormatError(f"{MANIFEST}: file path {rel!r} is outside the container")
             ent = _keys(ent, {"size", CHECKSUM}, set(), f"{MANIFEST}: files[{rel!r}]")
             try:
@@ -121,7 +137,7 @@ class Container:
         self.index = _container_index(path, _load_json(path / INDEX, INDEX), self.args, q, sizes)
         assert self.index.layout is not None  # checked against the model's
         self.layout: RecordLayout = self.index.layout
-        self.expert_bytes = int(m["expert_bytes"])
+        self.expert_bytes = _int(m["expert_bytes"], f"{MANIFEST}: expert_bytes")
         if self.expert_bytes != len(self.index) * self.layout.record_bytes:
             raise FormatError(f"{MANIFEST}: expert_bytes {self.expert_bytes} != records x record size")
         for rel in self.index.files:

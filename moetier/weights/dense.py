@@ -95,13 +95,19 @@ class DenseFile:
                 n: DenseSpec(n, m["dtype"], tuple(int(x) for x in m["shape"]), int(m["group_size"]))
                 for n, m in meta.items()
             }
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"{label}: malformed {SAFETENSORS_META_KEY!r} metadata ({e!r})") from e
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OverflowError) as e:
+            raise FormatError(f"{label}: malformed {SAFETENSORS_META_KEY!r} metadata ({e!r})"[:300]) from e
         have = self._mf.header.tensors
         want: set[str] = set()
         for s in self.specs.values():
-            if s.dtype not in QDTYPES:
-                raise FormatError(f"{label}: tensor {s.name!r} has unknown dtype {s.dtype!r}")
+            if not isinstance(s.dtype, str) or s.dtype not in QDTYPES:
+                raise FormatError(f"{label}: tensor {s.name!r} has unknown dtype {s.dtype!r}"[:300])
+            quantized = s.dtype in ("int8", "int4")
+            if (any(x < 0 for x in s.shape) or (quantized and (len(s.shape) != 2 or s.group_size <= 0
+                                                                or s.group_size % 2))
+                    or (not quantized and s.group_size != 0)):
+                raise FormatError(f"{label}: tensor {s.name!r}: {s.dtype} {list(s.shape)} with group size "
+                                  f"{s.group_size} is not a valid dense tensor")
             for key, tag, shape in s.entries():
                 want.add(key)
                 t = have.get(key)

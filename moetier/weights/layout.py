@@ -133,7 +133,11 @@ class RecordLayout:
         if len(parts) != 3 or tuple(p.name for p in parts) != PART_NAMES:
             raise FormatError("experts/index.json: layout parts must be gate, up, down")
         g = lay.parts[0]
-        want = cls.build(g.shape[0], g.shape[1], g.dtype, g.group_size or 64)
+        try:
+            want = cls.build(g.shape[0], g.shape[1], g.dtype, g.group_size or 64)
+        except (ValueError, ZeroDivisionError) as e:
+            raise FormatError(f"experts/index.json: record layout {g.dtype!r} [{g.shape[0]}, {g.shape[1]}] "
+                              f"g={g.group_size}: {e}"[:300]) from e
         if want != lay:
             raise FormatError("experts/index.json: record layout is not the canonical layout for "
                               f"{g.dtype} [{g.shape[0]}, {g.shape[1]}] g={g.group_size}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -45,6 +46,7 @@ DTYPES: dict[str, np.dtype[Any]] = {
 }
 TAG_OF: dict[str, str] = {"float32": "F32", "float16": "F16", "uint16": "U16", "int8": "I8", "uint8": "U8"}
 MAX_HEADER = 100 * 1024 * 1024
+MAX_NDIM = 8  # numpy's own limit is 64; no model tensor has more than a few
 DATA_ALIGN = 64
 
 
@@ -87,23 +89,29 @@ def read_header(path: Path, label: str | None = None) -> Header:
         raise FormatError(f"{label}: cannot read: {e.strerror}") from e
     try:
         obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{label}: safetensors header is not valid JSON: {e}") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, too deep or too long
+        raise FormatError(f"{label}: safetensors header is not valid JSON: {e}"[:300]) from e
     if not isinstance(obj, dict):
         raise FormatError(f"{label}: safetensors header is not a JSON object")
     meta = obj.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise FormatError(f"{label}: safetensors __metadata__ is not a JSON object")
     data_start = 8 + n
     infos: list[TensorInfo] = []
     for name, ent in obj.items():
         try:
-            tag = str(ent["dtype"])
-            shape = tuple(int(x) for x in ent["shape"])
-            b, end = (int(x) for x in ent["data_offsets"])
+            tag = ent["dtype"]
+            shape = tuple(ent["shape"])
+            b, end = ent["data_offsets"]
+            if not all(type(x) is int and x >= 0 for x in (*shape, b, end)):
+                raise ValueError("shape and data_offsets must be non-negative integers")
         except (KeyError, TypeError, ValueError) as exc:
-            raise FormatError(f"{label}: tensor {name!r} has a malformed header entry") from exc
-        if tag not in DTYPES:
-            raise FormatError(f"{label}: tensor {name!r} has unsupported dtype {tag}")
-        want = int(np.prod(shape, dtype=np.int64)) * DTYPES[tag].itemsize
+            raise FormatError(f"{label}: tensor {name!r} has a malformed header entry ({exc})"[:300]) from exc
+        if not isinstance(tag, str) or tag not in DTYPES:
+            raise FormatError(f"{label}: tensor {name!r} has unsupported dtype {tag!r}"[:300])
+        if len(shape) > MAX_NDIM:
+            raise FormatError(f"{label}: tensor {name!r} has {len(shape)} dimensions (at most {MAX_NDIM})")
+        want = math.prod(shape) * DTYPES[tag].itemsize  # Python ints: no int64 overflow
         if end - b != want or b < 0:
             raise FormatError(f"{label}: tensor {name!r} spans {end - b} bytes at offset {b}, "
                               f"its shape {list(shape)} {tag} needs {want}")
