@@ -496,6 +496,9 @@ class PrefixCache:
                 continue
             if path.suffix != SUFFIX:
                 continue
+            if path.is_symlink():  # never read through a link out of the cache directory
+                self._reject(path, "a symbolic link")
+                continue
             try:
                 header, raw, plen, _, _ = self._read_header(path)
             except _Foreign as e:

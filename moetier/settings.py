@@ -141,6 +141,14 @@ class Endpoint(_Section):
     metrics_port: int = Field(description="Port of its Prometheus /metrics endpoint (0: none).")
     id: str = Field(description="Name it registers under.")
 
+    @field_validator("id")
+    @classmethod
+    def _id_is_a_name(cls, v: str) -> str:
+        # it names files under data_dir (the store's usage history): no separator, no "..", no NUL
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", v):
+            raise ValueError(f"id {v!r}: letters, digits, '.', '_' and '-' only, starting with a letter or digit")
+        return v
+
 
 class RouterEndpoint(Endpoint):
     bind: str = Field("127.0.0.1:50051", description="host:port the service listens on.")

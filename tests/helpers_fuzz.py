@@ -26,6 +26,7 @@ from moetier.errors import MoetierError
 EXAMPLES = int(os.environ.get("MOETIER_FUZZ_EXAMPLES", "0")) or None
 SEED = os.environ.get("MOETIER_FUZZ_SEED")
 PEAK_BYTES = 64 << 20  # no single input may make the reader hold more than this
+TIMEOUT_S = 0 if EXAMPLES else 300  # per test in the suite; scripts/fuzz.py's long runs have none
 
 
 def fuzz_settings(examples: int) -> settings:
@@ -130,3 +131,18 @@ def clean(fn: Callable[[], Any], allowed: tuple[type[BaseException], ...] = (Moe
             assert str(e).strip(), f"{type(e).__name__} without a message"
             return e
     return None
+
+
+def app_routes(app: Any) -> set[tuple[str, str]]:
+    """(method, path) of every route a FastAPI app serves, included routers followed."""
+    out: set[tuple[str, str]] = set()
+
+    def walk(routes: Any) -> None:
+        for r in routes:
+            if hasattr(r, "original_router"):  # an included router
+                walk(r.original_router.routes)
+            elif hasattr(r, "methods"):
+                out.update((m, r.path) for m in r.methods)
+
+    walk(app.routes)
+    return out

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers_fuzz import JSON_VALUES, clean, flip_bytes, fuzz_settings, mutate, seeded
+from helpers_fuzz import JSON_VALUES, TIMEOUT_S, clean, flip_bytes, fuzz_settings, mutate, seeded
 from hypothesis import given
 from hypothesis import strategies as st
 from test_container import build
@@ -27,7 +27,7 @@ from moetier.weights.index import ExpertIndex, index_identity
 from moetier.weights.layout import RecordLayout
 from moetier.weights.safetensors_io import DTYPES, MappedFile, read_header
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import xxhash
-from helpers_fuzz import JSON_VALUES, clean, flip_bytes, fuzz_settings, mutate, seeded
+from helpers_fuzz import JSON_VALUES, TIMEOUT_S, clean, flip_bytes, fuzz_settings, mutate, seeded
 from hypothesis import given
 from hypothesis import strategies as st
 from test_dense_worker_prefix import IDENTITY, MID, ids_of, kv_of
@@ -29,7 +29,7 @@ from moetier.prefix_cache import PrefixCache
 from moetier.store.history import MAGIC as HIST_MAGIC
 from moetier.store.history import load_history, save_history
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(TIMEOUT_S)
 
 _PRE = struct.Struct("<8sQQQ")
 

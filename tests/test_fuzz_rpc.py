@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
-from helpers_fuzz import clean, fuzz_settings, seeded
+from helpers_fuzz import TIMEOUT_S, clean, fuzz_settings, seeded
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,7 +25,7 @@ from services.expert_store.convert import compute_from_pb, prefetch_from_pb
 from services.expert_store.core import ModelShape
 from services.router.convert import heartbeat_load, member_info_from_pb, route_from_pb
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(TIMEOUT_S)
 
 SHAPE = ModelShape(model_id="m", arch="test", hidden_size=8, moe_layers=(1, 3), n_experts=4, top_k=2,
                    record_bytes=4096, expert_dtype="int4")

@@ -68,5 +68,5 @@ class ChatTemplate:
                 documents=None,
                 **{**self.special_tokens, **extra},
             )
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, OverflowError) as e:  # OverflowError: the sandbox's range cap
             raise InvalidArgument(f"the model's chat template rejected the messages: {e}") from None

@@ -28,6 +28,7 @@ from moetier.text.conversation import CallDelta, Conversation, Event, Message, T
 from services.gateway.chat import ChatRun, Options, complete_run, new_id, stream_run
 from services.gateway.engine import Piece
 from services.gateway.errors import APIError, anthropic_error
+from services.gateway.protocol import MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS
 from services.gateway.router_client import Token
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -124,9 +125,9 @@ class Metadata(_Wire):
 
 class CountTokensRequest(_Wire):
     model: str
-    messages: list[MessageParam] = Field(min_length=1)
+    messages: list[MessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
     output_config: OutputConfig | None = None
@@ -186,7 +187,7 @@ def _messages(m: MessageParam, names: dict[str, str]) -> list[Message]:
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     metadata: Metadata | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     stream: bool | None = False
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)

@@ -42,16 +42,20 @@ class StatusMetrics:
             self.metrics.count_http(scope["path"], status or 499)
 
 
+PROTECTED = ("/v1/", "/dashboard/")  # generate or reveal the model; /health, /metrics and the page stay open
+
+
 class APIKeyAuth:
-    """With an API key set, /v1/* needs `Authorization: Bearer <key>` or `x-api-key: <key>` (compared
-    in constant time). Errors take the envelope of the API the path belongs to."""
+    """With an API key set, /v1/* and the dashboard's data (/dashboard/*) need `Authorization: Bearer
+    <key>` or `x-api-key: <key>` (compared in constant time). Errors take the envelope of the API the
+    path belongs to. docs/security.md says which routes are open and why."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if self.key is None or scope["type"] != "http" or not scope["path"].startswith(PROTECTED):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])

@@ -21,6 +21,12 @@ from moetier.text.conversation import Conversation, Message, ToolCall, ToolChoic
 U32 = 2**31 - 1  # bound for values that travel as uint32 (kept within int32 too)
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is the rest of the context)
 U64 = 2**64 - 1
+# Count limits, checked while the body is parsed (400 before any work starts). With
+# gateway.max_body_bytes they bound what one request can ask of the cluster (docs/security.md).
+MAX_MESSAGES = 4096  # messages (Chat, Messages) or input items (Responses) per request
+MAX_TOOLS = 128  # tools per request (OpenAI's limit)
+MAX_STOPS = 4  # stop strings (OpenAI's limit; Anthropic's stop_sequences: MAX_STOP_SEQUENCES)
+MAX_STOP_SEQUENCES = 16
 TokenId = Annotated[int, Field(ge=0, le=U32)]
 
 
@@ -139,7 +145,7 @@ class StreamOptions(_Wire):
     include_usage: bool = Field(False, description="Send a last chunk with usage and empty choices.")
 
 
-Stop = Annotated[list[str], Field(max_length=4)] | str | None
+Stop = Annotated[list[str], Field(max_length=MAX_STOPS)] | str | None
 
 
 def _stop_list(stop: list[str] | str | None) -> list[str]:
@@ -191,7 +197,7 @@ class _Common(_Wire):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     model: str
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, description="Not supported: must be empty.")
@@ -209,7 +215,8 @@ class ChatCompletionRequest(_Common):
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=U32, description="Extension: keep the k most likely tokens (0 = off).")
     user: str | None = None
-    tools: list[ChatTool] | None = Field(None, description="Function tools, rendered by the model's chat template.")
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS,
+                                         description="Function tools, rendered by the model's chat template.")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="Default: auto with tools, none without. required / named: exactly one call, "
         "its arguments constrained to the tool's schema.")

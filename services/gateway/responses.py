@@ -30,7 +30,7 @@ from moetier.text.conversation import CallDelta, Conversation, Event, Message, T
 from services.gateway.chat import ChatRun, Options, complete_run, new_id, stream_run
 from services.gateway.engine import Piece
 from services.gateway.errors import APIError
-from services.gateway.protocol import ErrorResponse
+from services.gateway.protocol import MAX_MESSAGES, MAX_TOOLS, ErrorResponse
 from services.gateway.router_client import Token
 
 
@@ -121,8 +121,8 @@ class TextConfig(_Wire):
 
 class ResponsesRequest(_Wire):
     model: str
-    input: str | list[dict[str, Any]] = Field(description="A string, or message / function_call / "
-                                              "function_call_output / reasoning items.")
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] = Field(
+        description="A string, or message / function_call / function_call_output / reasoning items.")
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     parallel_tool_calls: bool | None = None
@@ -132,7 +132,7 @@ class ResponsesRequest(_Wire):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     text: TextConfig | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     user: str | None = None
 
