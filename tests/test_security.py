@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import yaml
 from helpers_fuzz import app_routes
@@ -95,15 +94,17 @@ async def test_the_key_is_required_on_every_route_that_generates_or_reveals_the_
     for method, path in protected:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "input": "hi",
                 "max_tokens": 2} if method == "POST" else None
+        seen = len(keyed.fake.requests)
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": f"Bearer {KEY}x"},
                         {"x-api-key": KEY[:-1]}, {"authorization": f"Basic {KEY}"}):
             r = await keyed.client.request(method, path, json=body, headers=headers, params={"api_key": KEY})
             assert r.status_code == 401, (method, path, headers, r.status_code)
             assert r.json()["error"]["message"] and KEY not in r.text
+        assert len(keyed.fake.requests) == seen, f"the router saw a request to {path} without the key"
         for headers in ({"authorization": f"Bearer {KEY}"}, {"x-api-key": KEY}):
             r = await keyed.client.request(method, path, json=body, headers=headers)
             assert r.status_code != 401, (method, path, headers, r.text)
-    assert not [r for r in keyed.fake.requests if not r.prompt_ids], "the router saw a refused request"
+    assert keyed.fake.requests, "no request with the key reached the router: the test proves nothing"
 
 
 async def test_open_routes_reveal_neither_the_model_nor_the_key(keyed: InProcess) -> None:
@@ -301,4 +302,3 @@ async def test_logs_never_contain_prompts_or_keys(model: ServedModel, caplog: py
     assert logged, "nothing was logged: the capture did not work"
     for secret in (PROMPT, "aardvark", KEY):
         assert secret not in logged, f"{secret!r} is in the logs"
-    np.testing.assert_equal(len(caplog.records) > 0, True)
