@@ -144,9 +144,9 @@ class Endpoint(_Section):
     @field_validator("id")
     @classmethod
     def _id_is_a_name(cls, v: str) -> str:
-        # it names files under data_dir (the store's usage history): no separator, no "..", no NUL
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", v):
-            raise ValueError(f"id {v!r}: letters, digits, '.', '_' and '-' only, starting with a letter or digit")
+        # it names a file under data_dir (the store's usage history): one path component, no NUL
+        if v in ("", ".", "..") or re.search(r"[/\\\0]", v) or len(v) > 128:
+            raise ValueError(f"id {v!r}: a name of at most 128 characters, without '/', '\\' or NUL, not '.' or '..'")
         return v
 
 
