@@ -247,12 +247,12 @@ class LocalClient:
             socket.send_fds(sock, [_frame(HELLO, pb.LocalHello(token=token, region_bytes=region_bytes))], [fd])
             msg = sock.recv(MAX_FRAME)
             if msg[:1] == bytes([ERROR]):
-                _raise(msg[1:], f"local lane {name}")
+                _raise(msg[1:], f"expert store lane {name}")
             if msg[:1] != bytes([READY]):
-                raise Unavailable(f"local lane {name}: no answer to the hello")
+                raise Unavailable(f"expert store lane {name}: no answer to the hello")
         except OSError as e:
             sock.close()
-            raise Unavailable(f"local lane {name}: {e.strerror or e}") from None
+            raise Unavailable(f"expert store lane {name}: {e.strerror or e}") from None
         except BaseException:
             sock.close()
             raise
@@ -284,7 +284,7 @@ class LocalClient:
             self.sock.send(_frame(COMPUTE, req))
         except OSError as e:
             self.close()
-            raise Unavailable(f"local lane {self.name}: {e.strerror or e}") from None
+            raise Unavailable(f"expert store lane {self.name}: {e.strerror or e}") from None
 
     def receive(self, req: pb.ComputeExpertsRequest, timeout_s: float) -> tuple[pb.ComputeExpertsResponse, F32]:
         what = f"expert store lane {self.name}: ComputeExperts of layer {req.layer}"
@@ -314,7 +314,7 @@ class LocalClient:
             self.sock.send(_frame(PREFETCH, req))
         except OSError as e:
             self.close()
-            raise Unavailable(f"local lane {self.name}: {e.strerror or e}") from None
+            raise Unavailable(f"expert store lane {self.name}: {e.strerror or e}") from None
 
     def close(self) -> None:
         self.closed = True
