@@ -219,40 +219,92 @@ class Engine:
 
 
 # ---- the default model -----------------------------------------------------------------------
+# The trained demo model's source (scripts/train_demo.py): a Hugging Face checkpoint with its
+# safetensors xz-compressed, converted into data_dir/models/demo on first use. Without it (a
+# checkout that dropped the file) the synth preset "demo" (random weights) is built instead.
+DEMO_SOURCE = Path(__file__).resolve().parent / "data" / "demo"
+DEMO_WEIGHTS = "model.safetensors.xz"
+DEMO_CHECKSUMS = "checksums.json"  # size and xxh3 of the uncompressed model.safetensors
+
+
 def demo_model_dir(settings: Settings) -> Path:
     return settings.data_path / "models" / DEMO_PRESET
 
 
+def trained_demo_source() -> Path | None:
+    """moetier/data/demo when it holds the trained checkpoint, else None."""
+    return DEMO_SOURCE if (DEMO_SOURCE / DEMO_WEIGHTS).is_file() else None
+
+
 def _demo_current(path: Path) -> bool:
-    """Whether a built demo model is the current preset's (its context length and chat template);
-    an older one is rebuilt."""
-    from moetier.convert.synth import preset
+    """Whether a built demo model is the current one (the trained checkpoint's conversion, or
+    else the synth preset's; its context length and chat template); an older one is rebuilt."""
+    from moetier.convert.synth import DEMO_POSITIONS
     from moetier.convert.tokenizer import CHAT_TEMPLATE
     from moetier.text.tokenizer import read_json
 
     try:
         config, tok = read_json(path / "config.json"), read_json(path / "tokenizer_config.json")
+        source = read_json(path / "moetier.json").get("source", {})
     except Exception:
         return False
-    want = preset(DEMO_PRESET).config["max_position_embeddings"]
-    return bool(config.get("max_position_embeddings") == want and tok.get("chat_template") == CHAT_TEMPLATE)
+    if not (config.get("max_position_embeddings") == DEMO_POSITIONS and tok.get("chat_template") == CHAT_TEMPLATE):
+        return False
+    trained = trained_demo_source()
+    if trained is None:
+        return bool(source.get("kind") == "synth")
+    want = read_json(trained / DEMO_CHECKSUMS).get("model.safetensors")
+    return bool(source.get("kind") == "hf" and source.get("files", {}).get("model.safetensors") == want)
+
+
+def unpack_trained_demo(dst: Path) -> Path:
+    """The trained demo checkpoint as a plain Hugging Face directory at `dst` (decompressed)."""
+    import lzma
+
+    from moetier.weights.format import COPIED_FILES
+
+    src = trained_demo_source()
+    if src is None:
+        raise InvalidArgument(f"{DEMO_SOURCE / DEMO_WEIGHTS} is missing: this install has no trained demo model")
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in COPIED_FILES:
+        shutil.copyfile(src / name, dst / name)
+    with lzma.open(src / DEMO_WEIGHTS) as f, open(dst / "model.safetensors", "wb") as out:
+        shutil.copyfileobj(f, out, 1 << 20)
+    return dst
+
+
+def _build_demo(tmp: Path, settings: Settings) -> None:
+    if trained_demo_source() is None:
+        from moetier.convert.synth import write_container
+
+        write_container(DEMO_PRESET, tmp, DEMO_SEED, settings.model.experts, settings.model.dense)
+        return
+    from moetier.convert.converter import ConvertOptions, convert
+
+    hf = tmp.parent / f"{tmp.name}-hf"
+    shutil.rmtree(hf, ignore_errors=True)
+    try:
+        unpack_trained_demo(hf)
+        convert(hf, tmp, ConvertOptions(experts=settings.model.experts, dense=settings.model.dense), progress=False)
+    finally:
+        shutil.rmtree(hf, ignore_errors=True)
 
 
 def ensure_demo_model(settings: Settings, say: bool = True) -> Path:
     """The demo container under data_dir/models/demo, built once (into a temporary directory
-    renamed into place, so an interrupted build is never mistaken for a model)."""
+    renamed into place, so an interrupted build is never mistaken for a model): the trained
+    checkpoint converted, or the synth preset where the checkpoint is absent."""
     target = demo_model_dir(settings)
     if (target / "moetier.json").is_file() and _demo_current(target):
         return target
-    from moetier.convert.synth import write_container
-
     if say:
         print(f"building the demo model in {target} (once; a few seconds)", file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{DEMO_PRESET}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_container(DEMO_PRESET, tmp, DEMO_SEED, settings.model.experts, settings.model.dense)
+        _build_demo(tmp, settings)
         if target.exists() and not ((target / "moetier.json").is_file() and _demo_current(target)):
             shutil.rmtree(target)  # a directory left by an interrupted build, or an older demo model
         try:

@@ -31,6 +31,8 @@ from helpers_up import (
     write_config,
 )
 
+from moetier.engine import trained_demo_source
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -70,7 +72,8 @@ def test_first_start_builds_the_demo_model_and_sigint_stops_every_child(root: Pa
     with moetier_up(config, ports) as up:
         pids = started(up)
         assert "moetier: building the demo model in" in up.output()
-        assert json.loads(demo_manifest(root).read_text())["source"]["preset"] == "demo"
+        source = json.loads(demo_manifest(root).read_text())["source"]  # the trained demo, else the synth preset
+        assert (source["kind"], source.get("preset", "demo")) == ("hf" if trained_demo_source() else "synth", "demo")
         curl = up.wait_for(r"^\s+(curl .*)$", 0).group(1)
         assert "Authorization" not in curl  # no key set
         if shutil.which("curl"):

@@ -9,8 +9,10 @@ Traces:
   * routing traces recorded from models: the reference forward (the in-process
     Engine with a `TraceRecorder`) of each model over 128 tokens of the shipped text
     plus 128 greedy tokens, batch 1 (prefill steps included), recorded once and kept
-    next to the model (moetier.bench.models). By default the tiny MLA model and the
-    benchmark model (mini-glm); `--model DIR` (repeatable) names others;
+    next to the model (moetier.bench.models). By default the tiny MLA model, the
+    trained demo model (the only trained router: scripts/train_demo.py; the shipped
+    text is held out from its training) and the benchmark model (mini-glm); the
+    output says which weights are random; `--model DIR` (repeatable) names others;
   * routing trace files (`--trace FILE.npz`, format in moetier.store.trace); given
     alone, they replace the recorded ones;
   * synthetic ones: `zipf` (independent tokens, Zipf popularity per layer) and
@@ -85,9 +87,13 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_models and (args.model or not args.trace):
         dirs = list(args.model)
         if not dirs:
+            from moetier.engine import ensure_demo_model, trained_demo_source
+
             settings = load_settings(args.config)
-            dirs = [models.benchmark_model(TINY_PRESET, settings),
-                    models.benchmark_model(models.BENCHMARK_PRESET, settings)]
+            dirs = [models.benchmark_model(TINY_PRESET, settings)]
+            if trained_demo_source() is not None:  # the one trained router among them
+                dirs.append(ensure_demo_model(settings))
+            dirs.append(models.benchmark_model(models.BENCHMARK_PRESET, settings))
             bench_model = dirs[-1].name
         for d in dirs:
             traces.append(_recorded(Path(d), args.prompt_tokens, args.tokens))
@@ -125,7 +131,18 @@ def _recorded(model: Path, prompt_tokens: int, tokens: int) -> dict[str, Any]:
     tr, n_experts = load_trace(main)
     prev, _ = load_trace(previous)
     return {"name": model.name, "kind": "routing", "trace": tr, "n_experts": n_experts, "history_from": prev,
-            "source": f"{model}: {prompt_tokens} prompt + {tokens} generated tokens, batch 1"}
+            "source": f"{model} ({_weights(model)}): {prompt_tokens} prompt + {tokens} generated tokens, batch 1"}
+
+
+def _weights(model: Path) -> str:
+    """Whether a container's router was trained (a converted checkpoint) or is random (synth)."""
+    try:
+        source = json.loads((model / models.MANIFEST).read_text()).get("source", {})
+    except (OSError, ValueError):
+        return "weights unknown"
+    if source.get("kind") == "synth":
+        return f"random weights, synth preset {source.get('preset')}"
+    return "trained weights" if source.get("kind") == "hf" else f"{source.get('kind')} weights"
 
 
 def evaluate(name: str, kind: str, trace: Trace, n_experts: int, history_from: Trace | None) -> dict[str, Any]:

@@ -101,6 +101,12 @@ def _train(vocab_size: int, texts: list[str]) -> str:
     return tok.to_str()
 
 
+def train_tokenizer_json(vocab_size: int, texts: list[str]) -> str:
+    """tokenizer.json text of the project tokenizer trained on other text (the trained demo
+    model's, scripts/train_demo.py): same special tokens and pre-tokenizer, deterministic."""
+    return _train(vocab_size, texts)
+
+
 def tokenizer_json(vocab_size: int, cache_dir: Path | None = None) -> str:
     """tokenizer.json text of the project tokenizer with at most `vocab_size` tokens.
 
@@ -131,8 +137,9 @@ def tokenizer_size(vocab_size: int) -> int:
     return load_tokenizer(vocab_size).get_vocab_size()
 
 
-def tokenizer_files(vocab_size: int, model_max_length: int) -> dict[str, bytes]:
-    """tokenizer.json, tokenizer_config.json and generation_config.json for a synth checkpoint."""
+def tokenizer_files(vocab_size: int, model_max_length: int, *, tokenizer_json_text: str | None = None) -> dict[str, bytes]:
+    """tokenizer.json, tokenizer_config.json and generation_config.json for a synth checkpoint
+    (`tokenizer_json_text`: another tokenizer.json of the same special tokens, e.g. a trained one)."""
     cfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,
@@ -146,7 +153,7 @@ def tokenizer_files(vocab_size: int, model_max_length: int) -> dict[str, bytes]:
     }
     gen = {"bos_token_id": BOS_ID, "eos_token_id": STOP_IDS, "pad_token_id": PAD_ID, "do_sample": False}
     return {
-        "tokenizer.json": tokenizer_json(vocab_size).encode(),
+        "tokenizer.json": (tokenizer_json_text or tokenizer_json(vocab_size)).encode(),
         "tokenizer_config.json": (json.dumps(cfg, indent=2) + "\n").encode(),
         "generation_config.json": (json.dumps(gen, indent=2) + "\n").encode(),
     }

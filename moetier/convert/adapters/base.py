@@ -104,6 +104,7 @@ MOE_COMMON: list[tuple[str, str]] = [
     (r"model\.layers\.(?P<i>\d+)\.mlp\.experts\.gate_up_proj(\.weight)?", "fused:gate_up"),
     (r"model\.layers\.(?P<i>\d+)\.mlp\.experts\.down_proj(\.weight)?", "fused:down"),
 ]
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # Tensors that sources carry and the math never needs.
 IGNORED: list[str] = [
     r".*rotary_emb\.inv_freq",
@@ -152,6 +153,9 @@ class Adapter:
                 assert layer is not None
                 return FusedExperts(layer, "gate_up" if tmpl.endswith("gate_up") else "down")
             return Dense(tmpl.format(**{k: v for k, v in g.items() if v is not None}))
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= args.num_layers:
+            return None  # a multi-token-prediction layer's own tensors (enorm, hnorm, eh_proj, shared_head)
         raise UnknownTensor(f"tensor {name!r} is not part of a {self.model_type} checkpoint")
 
     def _part(self, p: str) -> ExpertPart:
