@@ -116,7 +116,7 @@ class TrainConfig:
     rope_theta: float = 10000.0
     seq_len: int = 256
     batch: int = 8
-    steps: int = 170
+    steps: int = 500
     warmup: int = 15
     lr: float = 4e-3
     min_lr_ratio: float = 0.1

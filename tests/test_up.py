@@ -113,17 +113,19 @@ def test_openai_chat_non_streaming_and_streaming_equal_the_in_process_engine(
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20)  # type: ignore[arg-type]
     text = r.choices[0].message.content
     assert r.object == "chat.completion" and r.model == MODEL and r.choices[0].message.role == "assistant"
-    assert r.usage is not None and r.usage.completion_tokens == 20 and r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    n, finish = r.usage.completion_tokens, r.choices[0].finish_reason  # the trained demo may end before 20
+    assert (finish, n) == ("length", 20) or (finish == "stop" and 0 < n < 20), (finish, n)
 
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=20,  # type: ignore[arg-type]
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (r.usage.prompt_tokens, 20)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (r.usage.prompt_tokens, n)
     assert all(c.usage is None for c in chunks[:-1])
 
     assert streamed == text
@@ -133,7 +135,9 @@ def test_openai_chat_non_streaming_and_streaming_equal_the_in_process_engine(
 def test_openai_completions_equal_the_in_process_engine(client: openai.OpenAI, reference: Reference) -> None:
     prompt = "The expert store reads"
     r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
-    assert r.object == "text_completion" and r.usage is not None and r.usage.completion_tokens == 16
+    assert r.object == "text_completion" and r.usage is not None
+    n, finish = r.usage.completion_tokens, r.choices[0].finish_reason  # the trained demo may end before 16
+    assert (finish, n) == ("length", 16) or (finish == "stop" and 0 < n < 16), (finish, n)
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=prompt, temperature=0, max_tokens=16, stream=True) if c.choices)
     assert r.choices[0].text == streamed == reference.completion(prompt, 16)
