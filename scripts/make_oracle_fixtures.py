@@ -10,6 +10,9 @@ experts) and store
     logits      float32 [T, V]   teacher-forced logits over the prompt
     greedy      int64 [N]        transformers' greedy continuation (eos ignored)
     greedy_gap  float32 [N]      its top-1 minus top-2 logit at each generated position
+    index_gap   float32          DSA models: the smallest gap at any indexer's top-k boundary (inf
+                                 without an indexer); a case whose choice hangs on a near-tie is
+                                 refused, since no implementation defines the order of ties
     generator, preset, seed, overrides (JSON), checksum (xxh3_64 of the safetensors),
     transformers_version, torch_version
 
@@ -47,6 +50,9 @@ def make_fixture(case: hf.Case, out_dir: Path) -> Path:
         vocab = int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
         prompt = hf.prompt_ids(vocab, case.seed, case.prompt_tokens)
         ref = hf.hf_reference(ckpt, prompt, case.greedy_tokens)
+        if float(ref["index_gap"]) < hf.INDEX_TIE:
+            raise SystemExit(f"{case.name}: an indexer top-k boundary is a near-tie in transformers "
+                             f"(gap {float(ref['index_gap']):.2e}); choose another config or seed")
         checksum = hf.checkpoint_checksum(ckpt)
     out = out_dir / f"{case.name}.npz"
     np.savez_compressed(
@@ -55,6 +61,7 @@ def make_fixture(case: hf.Case, out_dir: Path) -> Path:
         logits=ref["logits"],
         greedy=ref["greedy"],
         greedy_gap=ref["greedy_gap"],
+        index_gap=ref["index_gap"],
         generator=np.str_(case.generator),
         preset=np.str_(case.preset),
         seed=np.int64(case.seed),
@@ -77,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.case or hf.CASES:
         case = hf.CASES[name]
         path = make_fixture(case, a.out)
-        gap = float(np.load(path)["greedy_gap"].min())
+        z = np.load(path)
+        gap, igap = float(z["greedy_gap"].min()), float(z["index_gap"])
         print(f"{name:20s} {path.name:26s} {path.stat().st_size // 1024:3d} KiB  {case.generator} {case.preset}  "
-              f"smallest greedy gap {gap:.2e}")
+              f"smallest greedy gap {gap:.2e}, indexer gap {igap:.2e}")
     return 0
 
 

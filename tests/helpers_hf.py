@@ -36,7 +36,9 @@ from moetier.model.ops import Ops, ReferenceOps
 from moetier.weights.quant import ExpertWeights, QTensor, quantize
 from moetier.weights.schema import dense_shapes, expert_shapes
 
-ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm_moe_dsa",
+         "deepseek_v32")
+DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")
 SYNTH_MODULE = "moetier.convert.synth"
 HELPER_GENERATOR = "tests/helpers_hf.py"
 
@@ -48,7 +50,9 @@ _COMMON: dict[str, Any] = {
 # Each exercises its architecture's quirks: yarn with mscale != mscale_all_dim, q_lora and
 # groups (V3), no q_lora and max-per-group greedy (V2), partial rotary + qk norm + qkv bias
 # (GLM), explicit head_dim and a dense layer (Qwen3), shared expert gate (Qwen2), clip_qkv +
-# full-width qk norm + tied embeddings (OLMoE).
+# full-width qk norm + tied embeddings (OLMoE), an index_topk under the prompt length with a
+# shared-indexer schedule given as a pattern, explicit mlp_layer_types (GLM-5) and yarn with
+# groups and index heads of another width (DeepSeek-V3.2).
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek_v3": {
         "model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -98,6 +102,27 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": None, "router_jitter_noise": 0.0,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
     },
+    "glm_moe_dsa": {
+        "model_type": "glm_moe_dsa", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "first_k_dense_replace": 1, "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "rms_norm_eps": 1e-5,
+        "attention_bias": False, "index_topk": 6, "index_n_heads": 16, "index_head_dim": 16,
+        "index_topk_pattern": "FSSF",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "deepseek_v32": {
+        "model_type": "deepseek_v32", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "attention_bias": False, "index_topk": 5,
+        "index_n_heads": 12, "index_head_dim": 24,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8,
+                            "beta_fast": 32, "beta_slow": 1},
+    },
     "olmoe": {
         "model_type": "olmoe", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
         "intermediate_size": 32, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False,
@@ -118,7 +143,7 @@ def _value(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.nd
     z = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith("norm"):
         return 1.0 + 0.1 * z
-    if name.endswith(("bq", "bk", "bv", "router_bias")):
+    if name.endswith(("bq", "bk", "bv", "router_bias", "index_k_bias")):
         return 0.1 * z
     return z / np.float32(np.sqrt(shape[-1]))
 
@@ -259,9 +284,53 @@ def hf_available() -> bool:
     return importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 
 
+INDEX_TIE = 1e-5  # an indexer top-k boundary gap below this is a coin flip between implementations
+
+
+class IndexGaps:
+    """While installed on a transformers DSA model, records for every indexer call the smallest
+    gap between the k-th and (k+1)-th best visible index score of any row: 0 means torch.topk
+    chose among exact ties, which no implementation defines (the choice is then a coin flip)."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        self.smallest = float("inf")
+        self._torch = torch
+        self._inside = False
+        for layer in model.model.layers:
+            ix = getattr(layer.self_attn, "indexer", None)
+            if ix is not None:
+                ix.forward = self._wrap(ix.forward)
+        real = torch.Tensor.topk
+        rec = self
+
+        def topk(t: Any, k: int, *a: Any, **kw: Any) -> Any:
+            if rec._inside and t.shape[-1] > k:
+                top = real(t, k + 1, dim=-1).values  # [..., k + 1]
+                visible = top[..., k] > -1e30  # the causal mask adds finfo.min (or -inf)
+                if bool(visible.any()):
+                    rec.smallest = min(rec.smallest, float((top[..., k - 1] - top[..., k])[visible].min()))
+            return real(t, k, *a, **kw)
+
+        self._real, self._patched = real, topk
+
+    def _wrap(self, fwd: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*a: Any, **kw: Any) -> Any:
+            self._inside = True
+            self._torch.Tensor.topk = self._patched  # type: ignore[method-assign]
+            try:
+                return fwd(*a, **kw)
+            finally:
+                self._torch.Tensor.topk = self._real  # type: ignore[method-assign]
+                self._inside = False
+        return run
+
+
 def hf_reference(ckpt: Path, prompt: np.ndarray, n_new: int) -> dict[str, np.ndarray]:
     """transformers (float32, eager attention, eager experts): teacher-forced logits [T, V]
-    over the prompt, and a greedy continuation of n_new tokens with each step's top-2 gap."""
+    over the prompt, and a greedy continuation of n_new tokens with each step's top-2 gap; for
+    DSA models also the smallest indexer top-k boundary gap (`IndexGaps`) over the whole run."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -273,6 +342,7 @@ def hf_reference(ckpt: Path, prompt: np.ndarray, n_new: int) -> dict[str, np.nda
     if bad:
         raise RuntimeError(f"transformers did not load {ckpt} cleanly: {bad}")
     model.eval()
+    index = IndexGaps(model)
     with torch.no_grad():
         ids = torch.tensor(prompt[None, :], dtype=torch.long)
         out = model(input_ids=ids, use_cache=True)
@@ -292,4 +362,5 @@ def hf_reference(ckpt: Path, prompt: np.ndarray, n_new: int) -> dict[str, np.nda
         "logits": logits.astype(np.float32),
         "greedy": np.asarray(tokens, dtype=np.int64),
         "greedy_gap": np.asarray(gaps, dtype=np.float32),
+        "index_gap": np.float32(index.smallest),
     }

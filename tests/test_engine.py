@@ -97,7 +97,10 @@ def int8_agreement(arch: str, containers: dict[tuple[str, str], Path], tmp_path:
 # models have a confident readout (moetier.convert.synth.READOUT_ALIGNMENT); with a purely
 # random readout the median top-2 gap is ~0.2 nats and agreement measured 94.9-97.7%, decided
 # by near-ties rather than by the int8 path.
-@pytest.mark.parametrize("arch", hf.ARCHS)
+# Not the DSA models: their random (untrained) indexer picks 8 of up to 256 positions by
+# near-equal scores, and int8 noise changes that pick; measured 88.3% (glm_moe_dsa) and 92.6%
+# (deepseek_v32), 98.4% and 100% with the indexer off (docs/internals.md, "DSA").
+@pytest.mark.parametrize("arch", [a for a in hf.ARCHS if a not in hf.DSA_ARCHS])
 def test_int8_top1_agreement(arch: str, containers: dict[tuple[str, str], Path], tmp_path: Path) -> None:
     agree = int8_agreement(arch, containers, tmp_path)
     print(f"{arch}: int8 top-1 agreement {agree:.4f} over {INT8_POSITIONS} positions")
@@ -117,7 +120,8 @@ def quant_error(container: Path, capsys: pytest.CaptureFixture[str]) -> dict[str
 WIDE = {"hidden_size": 256}
 WIDE_EXPERTS = {"deepseek_v3": "moe_intermediate_size", "deepseek_v2": "moe_intermediate_size",
                 "glm4_moe": "moe_intermediate_size", "qwen3_moe": "moe_intermediate_size",
-                "qwen2_moe": "moe_intermediate_size", "mixtral": "intermediate_size", "olmoe": "intermediate_size"}
+                "qwen2_moe": "moe_intermediate_size", "mixtral": "intermediate_size", "olmoe": "intermediate_size",
+                "glm_moe_dsa": "moe_intermediate_size", "deepseek_v32": "moe_intermediate_size"}
 
 
 @pytest.mark.parametrize("arch", hf.ARCHS)

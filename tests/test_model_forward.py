@@ -113,7 +113,7 @@ def test_batch_equals_each_alone(arch: str, checkpoints: dict[str, Checkpoint]) 
 
 
 def test_kv_cache_round_trip(checkpoints: dict[str, Checkpoint], tmp_path: Path) -> None:
-    for arch in ("deepseek_v3", "qwen3_moe"):
+    for arch in ("deepseek_v3", "qwen3_moe", "glm_moe_dsa"):
         m = model_of(checkpoints[arch])
         ids = tokens(m.args, 12, 7)
         cache = m.new_cache()
@@ -157,6 +157,18 @@ def test_cache_width_and_bytes(checkpoints: dict[str, Checkpoint]) -> None:
     assert c.to_arrays()["layers.0.latent"].shape == (5, a.kv_lora_rank + a.qk_rope_head_dim)
     gqa = model_of(checkpoints["mixtral"])
     assert gqa.new_cache().width == 2 * gqa.args.num_kv_heads * gqa.args.head_dim == gqa.args.kv_cache_width
+    # DSA: the indexer keys of the layers that run an indexer are cached and counted too
+    dsa = model_of(checkpoints["glm_moe_dsa"])
+    a = dsa.args
+    c = dsa.new_cache()
+    prefill(dsa, c, [1, 2, 3, 4, 5])
+    full = [i for i, f in enumerate(a.indexer_layers) if f]
+    assert 0 < len(full) < a.num_layers  # the quirk config has full and shared indexer layers
+    arrays = c.to_arrays()
+    assert sorted(k for k in arrays if k.endswith("index_k")) == [f"layers.{i}.index_k" for i in full]
+    assert arrays[f"layers.{full[0]}.index_k"].shape == (5, a.index_head_dim)
+    assert c.nbytes == 4 * 5 * (a.num_layers * a.kv_cache_width + len(full) * a.index_head_dim)
+    assert c.nbytes == 4 * 5 * a.kv_floats_per_token == sum(v.nbytes for k, v in arrays.items() if k != "tokens")
 
 
 def test_prefetch_hints_are_measured_and_change_nothing(checkpoints: dict[str, Checkpoint]) -> None:
@@ -283,11 +295,11 @@ def test_quantized_weights_run_close_to_float(checkpoints: dict[str, Checkpoint]
     assert 0 < rel < 0.2, rel
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe", "glm_moe_dsa", "deepseek_v32"])
 def test_fast_ops_make_batching_and_chunking_bit_exact(arch: str, checkpoints: dict[str, Checkpoint]) -> None:
     """With the engine's row-invariant kernels, a sequence's logits are the same bits whether it
     is prefilled in chunks or whole, alone or beside other sequences (the absorbed MLA form
-    is what makes that hold for MLA too)."""
+    is what makes that hold for MLA too; DSA's per-row attention over its chosen positions too)."""
     kernels = pytest.importorskip("moetier.kernels")
     if not kernels.c_available():
         pytest.skip("the C kernels are not built (the numba fallback is tested in the kernels' own tests)")

@@ -75,6 +75,8 @@ def test_live(name: str, tmp_path: Path) -> None:
     vocab = int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
     prompt = hf.prompt_ids(vocab, case.seed + 1, 12)
     ref = hf.hf_reference(ckpt, prompt, 8)
+    if float(ref["index_gap"]) < hf.INDEX_TIE:
+        pytest.skip(f"transformers' indexer chose among near-ties (gap {float(ref['index_gap']):.1e})")
     model = hf.build_model(ckpt)
     assert_logits_close(teacher_forced_logits(model, prompt), ref["logits"])
     assert_greedy_matches(model, prompt, ref["greedy"], ref["greedy_gap"])

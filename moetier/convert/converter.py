@@ -255,6 +255,11 @@ class Converter:
                     continue
                 if isinstance(target, Dense):
                     want = self.dense_want.get(target.name)
+                    if want is None and 0 in info.shape:
+                        # an empty tensor the shape does not use (transformers builds a zero-width
+                        # shared expert for n_shared_experts = 0): nothing to convert
+                        self._advance(info.nbytes, bar)
+                        continue
                     if want is None:
                         raise ConversionError(f"{where} ({target.name}) is not part of this {args.arch} model shape")
                     _check_shape(where, info.shape, want)

@@ -67,6 +67,7 @@ _ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 
 
@@ -102,6 +103,9 @@ def _mla(model_type: str, *, hidden: int, layers: int, first_dense: int, experts
     if model_type == "deepseek_v3":
         base.update(n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
                     num_nextn_predict_layers=0)
+    elif model_type in ("deepseek_v32", "glm_moe_dsa"):
+        del base["rope_interleave"]  # always interleaved in the main attention: no such config field
+        base.update(n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
     else:
         base.update(topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
                     routed_scaling_factor=1.0)
@@ -147,6 +151,18 @@ def _tiny() -> dict[str, Preset]:
         "olmoe": _config("olmoe", **{k: v for k, v in gqa.items() if k != "head_dim"}, num_hidden_layers=2, num_experts=8,
                          intermediate_size=64, rms_norm_eps=1e-5, clip_qkv=None, norm_topk_prob=False,
                          attention_bias=False),
+        # index_topk well under the fixtures' prompts (24 tokens), so the sparse choice really drops
+        # positions; full and shared indexer layers both present (GLM-5). 16 index heads: with fewer,
+        # relu leaves many exact-zero scores, whose order among ties no implementation defines
+        "glm_moe_dsa": _mla("glm_moe_dsa", hidden=64, layers=4, first_dense=1, experts=8, top_k=2, shared=1,
+                            moe_i=32, inter=128, heads=4, q_lora=32, kv_lora=32, nope=16, rope=8, v=16,
+                            vocab=TINY_VOCAB, routed_scaling_factor=2.5, rms_norm_eps=1e-5, index_topk=8,
+                            index_n_heads=16, index_head_dim=32, indexer_types=["full", "shared", "full", "shared"],
+                            mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
+        "deepseek_v32": _mla("deepseek_v32", hidden=64, layers=3, first_dense=1, experts=8, top_k=2, shared=1,
+                             moe_i=32, inter=128, heads=4, q_lora=32, kv_lora=32, nope=16, rope=8, v=16,
+                             vocab=TINY_VOCAB, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                             rope_parameters=yarn, index_topk=12, index_n_heads=16, index_head_dim=32),
     }
     return {f"tiny-{k}": Preset(f"tiny-{k}", f"test-sized {k}", v, TINY_VOCAB, tags=("tiny",)) for k, v in cfgs.items()}
 
@@ -173,10 +189,11 @@ def _presets() -> dict[str, Preset]:
              routed_scaling_factor=1.0, max_position_embeddings=4096),
         4096)
     p["glm-5"] = Preset(
-        "glm-5", "GLM-5-class shape (744B parameters), for planners only",
-        _mla("deepseek_v3", hidden=6144, layers=78, first_dense=3, experts=256, top_k=8, shared=1, moe_i=2048,
+        "glm-5", "GLM-5's shape (glm_moe_dsa, transformers' defaults: 744B parameters), for planners only",
+        _mla("glm_moe_dsa", hidden=6144, layers=78, first_dense=3, experts=256, top_k=8, shared=1, moe_i=2048,
              inter=12288, heads=64, q_lora=2048, kv_lora=512, nope=192, rope=64, v=256, vocab=154880,
-             routed_scaling_factor=2.5, max_position_embeddings=131072),
+             routed_scaling_factor=2.5, rms_norm_eps=1e-5, max_position_embeddings=202752, index_topk=2048,
+             index_n_heads=32, index_head_dim=128, num_nextn_predict_layers=1),
         4096, materialize=False)
     return p
 
@@ -222,7 +239,7 @@ def _std(name: str, shape: tuple[int, ...], d: int) -> float:
         return 1.0
     if leaf == "router_bias":
         return 0.01
-    if leaf in ("bq", "bk", "bv"):
+    if leaf in ("bq", "bk", "bv", "index_k_bias"):
         return 0.02
     std = 1.0 / np.sqrt(shape[-1])
     if leaf in ("wo", "w_down", "down"):
@@ -244,7 +261,7 @@ GENERATOR_VERSION = 2
 
 def dense_tensor(name: str, shape: tuple[int, ...], seed: int, hidden: int) -> F32:
     """The float32 source of a dense tensor of a synth model."""
-    if "norm" in name.rsplit(".", 1)[-1]:
+    if "norm" in name.rsplit(".", 1)[-1]:  # (index_k_bias is no norm: its leaf says bias)
         return np.ones(shape, dtype=np.float32)
     x = _rng(seed, name).standard_normal(shape, dtype=np.float32)
     x *= np.float32(_std(name, shape, hidden))

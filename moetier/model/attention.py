@@ -18,7 +18,8 @@ which equals the expanded form k_nope = c_kv W_UK^T, v = c_kv W_UV^T.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -40,6 +41,8 @@ class Segment:
     cache: KVCache
     rows: slice  # its rows in the step's [T, ...] arrays
     positions: npt.NDArray[np.int64]  # [n] absolute positions of those rows: start .. end - 1
+    # what one layer of the step hands to later ones (the DSA indexer's choice of positions)
+    scratch: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def start(self) -> int:
@@ -121,17 +124,19 @@ class MlaAttention:
         self.uk_t = [quantize(np.ascontiguousarray(w[:n].T), "f32") for w in wkv_b]
         self.uv = [quantize(np.ascontiguousarray(w[n:]), "f32") for w in wkv_b]
 
-    def _query(self, ops: Ops, h: F32) -> F32:
+    def _query(self, ops: Ops, h: F32) -> tuple[F32, F32 | None]:
+        """(q [T, H*(N+R)], the normed q latent q_a [T, Q] or None without q_lora)."""
         if self.wq is not None:
-            return ops.linear(h, self.wq)  # [T, H*(N+R)]
+            return ops.linear(h, self.wq), None
         q_a = ops.rmsnorm(ops.linear(h, self.wq_a), self.q_a_norm, self.args.latent_norm_eps)  # [T, Q]
-        return ops.linear(q_a, self.wq_b)  # [T, H*(N+R)]
+        return ops.linear(q_a, self.wq_b), q_a
 
-    def __call__(self, ops: Ops, h: F32, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32:
-        """h [T, D] (normed), cos/sin [T, P] -> [T, D]; writes the latent row of every segment."""
+    def _project(self, ops: Ops, h: F32, cos: F32, sin: F32) -> tuple[F32, F32, F32 | None]:
+        """h [T, D] -> (absorbed query [T, H, C + R], latent row [T, C + R], q_a [T, Q] or None)."""
         a = self.args
         t, heads, n, c = h.shape[0], a.num_heads, a.qk_nope_head_dim, a.kv_lora_rank
-        q = self._query(ops, h).reshape(t, heads, n + a.qk_rope_head_dim)  # [T, H, N + R]
+        q_flat, q_a = self._query(ops, h)
+        q = q_flat.reshape(t, heads, n + a.qk_rope_head_dim)  # [T, H, N + R]
         q_pe = self.rope.apply(q[..., n:], cos, sin)  # [T, H, R]
         kv = ops.linear(h, self.wkv_a)  # [T, C + R]
         c_kv = ops.rmsnorm(np.ascontiguousarray(kv[:, :c]), self.kv_a_norm, a.latent_norm_eps)  # [T, C]
@@ -142,22 +147,36 @@ class MlaAttention:
         for i in range(heads):
             query[:, i, :c] = ops.linear(np.ascontiguousarray(q[:, i, :n]), self.uk_t[i])  # [T, C]
         query[:, :, c:] = q_pe
+        return query, latent, q_a
 
-        ctx = np.empty((t, heads, c), dtype=np.float32)  # [T, H, C]
-        for seg in segments:
-            seg.cache.put(self.layer, "latent", seg.start, latent[seg.rows])
-            keys = seg.cache.get(self.layer, "latent", seg.end)  # [S, C + R]
-            ctx[seg.rows] = ops.attention(
-                np.ascontiguousarray(query[seg.rows]),
-                keys[:, None, :],  # [S, 1, C + R]
-                np.ascontiguousarray(keys[:, None, :c]),  # [S, 1, C]
-                seg.positions,
-                self.scale,
-            )
+    def _attend(self, ops: Ops, query: F32, seg: Segment) -> F32:
+        """Causal attention of one segment's query rows [n, H, C + R] over its cache -> [n, H, C]."""
+        keys = seg.cache.get(self.layer, "latent", seg.end)  # [S, C + R]
+        return ops.attention(
+            np.ascontiguousarray(query[seg.rows]),
+            keys[:, None, :],  # [S, 1, C + R]
+            np.ascontiguousarray(keys[:, None, : self.args.kv_lora_rank]),  # [S, 1, C]
+            seg.positions,
+            self.scale,
+        )
+
+    def _output(self, ops: Ops, ctx: F32) -> F32:
+        """Latent context [T, H, C] -> [T, D]."""
+        a = self.args
+        t, heads = ctx.shape[:2]
         out = np.empty((t, heads, a.v_head_dim), dtype=np.float32)  # [T, H, Dv]
         for i in range(heads):
             out[:, i] = ops.linear(np.ascontiguousarray(ctx[:, i]), self.uv[i])  # [T, Dv]
         return ops.linear(out.reshape(t, heads * a.v_head_dim), self.wo)  # [T, D]
+
+    def __call__(self, ops: Ops, h: F32, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32:
+        """h [T, D] (normed), cos/sin [T, P] -> [T, D]; writes the latent row of every segment."""
+        query, latent, _ = self._project(ops, h, cos, sin)
+        ctx = np.empty((h.shape[0], self.args.num_heads, self.args.kv_lora_rank), dtype=np.float32)  # [T, H, C]
+        for seg in segments:
+            seg.cache.put(self.layer, "latent", seg.start, latent[seg.rows])
+            ctx[seg.rows] = self._attend(ops, query, seg)
+        return self._output(ops, ctx)
 
 
 Attention = GqaAttention | MlaAttention
@@ -165,5 +184,9 @@ Attention = GqaAttention | MlaAttention
 
 def build_attention(args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float) -> Attention:
     if args.attention == "mla":
+        if args.index_topk:
+            from moetier.model.dsa import DsaAttention  # it extends MlaAttention
+
+            return DsaAttention(args, layer, dense, rope, scale)
         return MlaAttention(args, layer, dense, rope, scale)
     return GqaAttention(args, layer, dense, rope, scale)

@@ -4,7 +4,7 @@ Legend used throughout moetier/model:
     T = tokens in a step, S = cached positions, D = hidden size, V = vocab,
     H = query heads, Hkv = key/value heads, hd = head dim,
     E = routed experts, K = experts per token (top-k), I = expert intermediate size,
-    F = dense MLP intermediate size.
+    F = dense MLP intermediate size, Hi = indexer heads, Di = indexer head dim.
 
 `ModelArgs` is architecture-neutral: each source architecture's quirks are
 translated into these fields once, by its adapter in moetier/convert/adapters,
@@ -21,6 +21,9 @@ AttentionKind = Literal["gqa", "mla"]
 QkNorm = Literal["none", "head", "full"]  # head: RMSNorm over hd per head; full: over H*hd (OLMoE)
 ScoringFunc = Literal["softmax", "sigmoid"]
 GroupScore = Literal["none", "max", "top2_sum"]  # DeepSeek-V2 group_limited_greedy / DeepSeek-V3
+
+
+_DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim", "index_rope_interleave", "indexer_layers")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,16 @@ class ModelArgs:
     # RMSNorm epsilon of the MLA latents (q_a_norm, kv_a_norm): Hugging Face and DeepSeek's own
     # code build these norms with the RMSNorm default, not with rms_norm_eps.
     latent_norm_eps: float = 1e-6
+
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer scores every visible
+    # position for each query and MLA attends to the best index_topk of them only. The indexer keeps
+    # its own key cache (Di floats per position) in the layers that run it; indexer_layers[i] says
+    # whether layer i runs its own indexer (GLM's "full") or reuses the previous one's choice ("shared").
+    index_topk: int = 0  # 0: no indexer, dense attention
+    index_n_heads: int = 0  # Hi
+    index_head_dim: int = 0  # Di (its first qk_rope_head_dim dims are rotated)
+    index_rope_interleave: bool = False  # GLM-5: interleaved pairs; DeepSeek-V3.2: halves
+    indexer_layers: tuple[bool, ...] = ()
 
     qkv_bias: bool = False  # biases on q/k/v projections (Qwen2-MoE, GLM-4.5 attention_bias)
     qk_norm: QkNorm = "none"
@@ -88,6 +101,17 @@ class ModelArgs:
             raise ValueError(f"unknown attention kind {self.attention!r}")
         if self.num_heads % max(self.num_kv_heads, 1):
             raise ValueError(f"num_heads {self.num_heads} not divisible by num_kv_heads {self.num_kv_heads}")
+        if self.index_topk:
+            if self.attention != "mla" or self.q_lora_rank is None:
+                raise ValueError("the DSA indexer needs MLA attention with a q_lora_rank")
+            if len(self.indexer_layers) != self.num_layers or not self.indexer_layers[0]:
+                raise ValueError(f"indexer_layers needs {self.num_layers} entries and layer 0 must run its own "
+                                 f"indexer, got {list(self.indexer_layers)}")
+            if self.index_n_heads <= 0 or not 0 < self.qk_rope_head_dim <= self.index_head_dim:
+                raise ValueError(f"indexer of {self.index_n_heads} heads x {self.index_head_dim} cannot rotate "
+                                 f"{self.qk_rope_head_dim} dims")
+        elif self.indexer_layers:
+            raise ValueError("indexer_layers given without an index_topk")
         if any(self.moe_layers):
             if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
                 raise ValueError(f"top-k {self.num_experts_per_tok} invalid for {self.n_routed_experts} experts")
@@ -106,10 +130,16 @@ class ModelArgs:
 
     @property
     def kv_cache_width(self) -> int:
-        """Floats cached per token per layer: MLA keeps the latent + rope key, GQA keeps K and V."""
+        """Floats cached per token in every layer: MLA keeps the latent + rope key, GQA keeps K and V
+        (indexer keys come on top, in the layers that run an indexer: `kv_floats_per_token`)."""
         if self.attention == "mla":
             return self.kv_lora_rank + self.qk_rope_head_dim
         return 2 * self.num_kv_heads * self.head_dim
+
+    @property
+    def kv_floats_per_token(self) -> int:
+        """Floats cached per token over all layers, indexer keys included."""
+        return self.num_layers * self.kv_cache_width + self.index_head_dim * sum(self.indexer_layers)
 
     @property
     def expert_params(self) -> int:
@@ -121,6 +151,10 @@ class ModelArgs:
         d = dataclasses.asdict(self)
         d["moe_layers"] = list(self.moe_layers)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["indexer_layers"] = list(self.indexer_layers)
+        if not self.index_topk:  # models without an indexer keep the manifest (and KV identity) they had
+            for k in _DSA_FIELDS:
+                del d[k]
         return d
 
     @classmethod
@@ -132,4 +166,5 @@ class ModelArgs:
         d = dict(d)
         d["moe_layers"] = tuple(bool(x) for x in d.get("moe_layers", ()))
         d["eos_token_ids"] = tuple(int(x) for x in d.get("eos_token_ids", ()))
+        d["indexer_layers"] = tuple(bool(x) for x in d.get("indexer_layers", ()))
         return cls(**d)

@@ -28,7 +28,7 @@ import numpy.typing as npt
 from moetier.model.attention import Attention, Segment, build_attention
 from moetier.model.config import ModelArgs
 from moetier.model.ffn import MoeBlock, SwiGlu
-from moetier.model.kv_cache import KVCache, cache_layout
+from moetier.model.kv_cache import KVCache
 from moetier.model.ops import ExpertProvider, Ops
 from moetier.model.rope import Rope, softmax_scale
 from moetier.model.weights import check_dense, embed_rows, vector
@@ -183,10 +183,10 @@ class Model:
     def _segments(self, caches: Sequence[KVCache], tokens: Sequence[npt.NDArray[np.int64]]) -> list[Segment]:
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("a KV cache appears twice in one step")
-        layout = cache_layout(self.args)
+        shape = self.new_cache()
         out, row = [], 0
         for cache, t in zip(caches, tokens, strict=True):
-            if cache.layout != layout or cache.num_layers != self.args.num_layers:
+            if not cache.same_shape(shape):
                 raise ValueError("KV cache was made for a different model shape")
             start = cache.reserve(len(t))
             out.append(Segment(cache, slice(row, row + len(t)), np.arange(start, start + len(t), dtype=np.int64)))

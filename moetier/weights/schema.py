@@ -42,6 +42,13 @@ def dense_shapes(args: ModelArgs) -> dict[str, Shape]:
             out[f"{p}.attn.kv_a_norm"] = (a.kv_lora_rank,)
             out[f"{p}.attn.wkv_b"] = (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
             out[f"{p}.attn.wo"] = (d, a.num_heads * a.v_head_dim)
+            if a.index_topk and a.indexer_layers[i]:
+                assert a.q_lora_rank is not None
+                out[f"{p}.attn.index_wq_b"] = (a.index_n_heads * a.index_head_dim, a.q_lora_rank)
+                out[f"{p}.attn.index_wk"] = (a.index_head_dim, d)
+                out[f"{p}.attn.index_k_norm"] = (a.index_head_dim,)
+                out[f"{p}.attn.index_k_bias"] = (a.index_head_dim,)
+                out[f"{p}.attn.index_weights"] = (a.index_n_heads, d)
         else:
             q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
             out[f"{p}.attn.wq"] = (q, d)
@@ -90,7 +97,9 @@ def expert_shapes(args: ModelArgs) -> dict[str, Shape]:
 def tensor_class(name: str, shape: Shape) -> TensorClass:
     """Class of a canonical dense tensor (internals.md, 'Quantized tensors')."""
     leaf = name.rsplit(".", 1)[-1]
-    if len(shape) < 2 or "norm" in leaf or leaf in ("router", "router_bias", "shared_gate", "bq", "bk", "bv"):
+    # index_weights: the DSA indexer's per-head weights, kept float32 as transformers keeps it
+    if len(shape) < 2 or "norm" in leaf or leaf in ("router", "router_bias", "shared_gate", "bq", "bk", "bv",
+                                                      "index_weights"):
         return "exact"
     return "dense"
 

@@ -276,8 +276,7 @@ class Batcher:
             self._running.append(self._waiting.popleft())
 
     def _update_kv(self) -> None:
-        self.kv_bytes = sum(4 * s.cache.capacity * s.cache.num_layers * s.cache.width
-                            for s in self._running if s.cache is not None)
+        self.kv_bytes = sum(s.cache.capacity_bytes for s in self._running if s.cache is not None)
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         seq.finished = True

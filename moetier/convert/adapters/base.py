@@ -13,6 +13,9 @@ Canonical names (what the container's dense/ files and the math use):
     layers.{i}.attn.wq_a [q_lora, D]  .q_a_norm [q_lora]  .wq_b [H*(nope+rope), q_lora]
     layers.{i}.attn.wkv_a [kv_lora + rope, D]  .kv_a_norm [kv_lora]  .wkv_b [H*(nope+v), kv_lora]
     layers.{i}.attn.wo [D, H*v]
+  DSA indexer (layers that run one, ModelArgs.indexer_layers):
+    layers.{i}.attn.index_wq_b [Hi*Di, q_lora]  .index_wk [Di, D]  .index_k_norm/.index_k_bias [Di]
+    layers.{i}.attn.index_weights [Hi, D]
   Dense SwiGLU MLP:        layers.{i}.mlp.w_gate/.w_up [F, D]   .w_down [D, F]
   MoE layer:
     layers.{i}.moe.router [E, D]       layers.{i}.moe.router_bias [E] (score correction)
