@@ -13,6 +13,8 @@ experts) and store
     index_gap   float32          DSA models: the smallest gap at any indexer's top-k boundary (inf
                                  without an indexer); a case whose choice hangs on a near-tie is
                                  refused, since no implementation defines the order of ties
+    draft_logits float32 [T-1, V] checkpoints with MTP layers: transformers' MtpModel (layer 0),
+                                 teacher-forced over the prompt (helpers_hf.hf_mtp_reference)
     generator, preset, seed, overrides (JSON), checksum (xxh3_64 of the safetensors),
     transformers_version, torch_version
 
@@ -54,6 +56,9 @@ def make_fixture(case: hf.Case, out_dir: Path) -> Path:
             raise SystemExit(f"{case.name}: an indexer top-k boundary is a near-tie in transformers "
                              f"(gap {float(ref['index_gap']):.2e}); choose another config or seed")
         checksum = hf.checkpoint_checksum(ckpt)
+        extra = {}
+        if hf.has_mtp(ckpt):
+            extra["draft_logits"] = hf.hf_mtp_reference(ckpt, prompt)["draft_logits"]
     out = out_dir / f"{case.name}.npz"
     np.savez_compressed(
         out,
@@ -69,6 +74,7 @@ def make_fixture(case: hf.Case, out_dir: Path) -> Path:
         checksum=np.str_(checksum),
         transformers_version=np.str_(transformers.__version__),
         torch_version=np.str_(torch.__version__),
+        **extra,
     )
     return out
 

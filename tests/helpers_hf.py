@@ -32,6 +32,7 @@ from moetier.convert.adapters import Dense, Expert, FusedExperts, adapter_for
 from moetier.model.config import ModelArgs
 from moetier.model.experts import DictExperts
 from moetier.model.forward import Model
+from moetier.model.mtp import MtpHead
 from moetier.model.ops import Ops, ReferenceOps
 from moetier.weights.quant import ExpertWeights, QTensor, quantize
 from moetier.weights.schema import dense_shapes, expert_shapes
@@ -242,17 +243,26 @@ def checkpoint_checksum(ckpt: Path) -> str:
 # ---- loading through the adapters ---------------------------------------------------------
 def load_checkpoint(ckpt: Path) -> tuple[ModelArgs, dict[str, QTensor], dict[tuple[int, int], ExpertWeights]]:
     """A Hugging Face checkpoint -> (ModelArgs, canonical dense f32 QTensors, expert records)."""
+    args, dense, _, experts = load_checkpoint_mtp(ckpt, with_mtp=False)
+    return args, dense, experts
+
+
+def load_checkpoint_mtp(ckpt: Path, with_mtp: bool = True) -> tuple[
+        ModelArgs, dict[str, QTensor], dict[str, QTensor], dict[tuple[int, int], ExpertWeights]]:
+    """(ModelArgs, dense, MTP dense `mtp.{k}.*`, expert records incl. the MTP layers' (num_layers + k))."""
     cfg = json.loads((ckpt / "config.json").read_text())
     adapter = adapter_for(cfg.get("model_type"))
     args = adapter.model_args(cfg)
+    n_mtp = adapter.mtp_layers(cfg) if with_mtp else 0
     dense: dict[str, QTensor] = {}
+    mtp: dict[str, QTensor] = {}
     parts: dict[tuple[int, int], dict[str, np.ndarray]] = {}
     for f in sorted(ckpt.glob("*.safetensors")):
         for name, arr in load_file(str(f)).items():
-            target = adapter.target(name, args)
+            target = adapter.target(name, args, n_mtp)
             a = np.asarray(arr, dtype=np.float32)
             if isinstance(target, Dense):
-                dense[target.name] = quantize(a, "f32")
+                (mtp if target.name.startswith("mtp.") else dense)[target.name] = quantize(a, "f32")
             elif isinstance(target, Expert):
                 parts.setdefault((target.layer, target.expert), {})[target.part] = a
             elif isinstance(target, FusedExperts):
@@ -266,7 +276,22 @@ def load_checkpoint(ckpt: Path) -> tuple[ModelArgs, dict[str, QTensor], dict[tup
         key: ExpertWeights(*(quantize(np.ascontiguousarray(p[k]), "f32") for k in ("gate", "up", "down")))
         for key, p in parts.items()
     }
-    return args, dense, experts
+    return args, dense, mtp, experts
+
+
+def has_mtp(ckpt: Path) -> bool:
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return adapter_for(cfg.get("model_type")).mtp_layers(cfg) > 0
+
+
+def build_model_and_mtp(ckpt: Path, ops: Ops | None = None) -> tuple[Model, MtpHead]:
+    """The model and its MTP head (every MTP layer the config announces), reference ops."""
+    ops = ops or ReferenceOps()
+    args, dense, mtp, experts = load_checkpoint_mtp(ckpt)
+    provider = DictExperts(experts, ops)
+    model = Model(args, dense, ops, provider)
+    layers = len({n.split(".")[1] for n in mtp})
+    return model, MtpHead(model, layers, mtp, provider)
 
 
 def build_model(ckpt: Path, ops: Ops | None = None, **kw: Any) -> Model:
@@ -285,6 +310,16 @@ def hf_available() -> bool:
 
 
 INDEX_TIE = 1e-5  # an indexer top-k boundary gap below this is a coin flip between implementations
+
+
+def _check_loaded(ckpt: Path, model: Any, info: dict[str, Any]) -> None:
+    """Nothing missing or mismatched; unexpected only the MTP layers (past the last layer)."""
+    n = model.config.num_hidden_layers
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "mismatched_keys")}
+    unexpected = [k for k in info.get("unexpected_keys") or []
+                  if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= n)]
+    if bad or unexpected:
+        raise RuntimeError(f"transformers did not load {ckpt} cleanly: {bad} unexpected {unexpected}")
 
 
 class IndexGaps:
@@ -338,9 +373,7 @@ def hf_reference(ckpt: Path, prompt: np.ndarray, n_new: int) -> dict[str, np.nda
         str(ckpt), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
         output_loading_info=True,
     )
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if bad:
-        raise RuntimeError(f"transformers did not load {ckpt} cleanly: {bad}")
+    _check_loaded(ckpt, model, info)
     model.eval()
     index = IndexGaps(model)
     with torch.no_grad():
@@ -364,3 +397,71 @@ def hf_reference(ckpt: Path, prompt: np.ndarray, n_new: int) -> dict[str, np.nda
         "greedy_gap": np.asarray(gaps, dtype=np.float32),
         "index_gap": np.float32(index.smallest),
     }
+
+
+def hf_mtp_reference(ckpt: Path, prompt: np.ndarray) -> dict[str, np.ndarray]:
+    """transformers' MtpModel on the checkpoint's MTP layer 0, teacher-forced: the main model's
+    final-normed hidden states of prompt[:-1] with the tokens prompt[1:] (positions 1..T-1) give
+    draft logits [T-1, V], row j predicting prompt[j + 2].
+
+    Two things transformers 5.24 cannot do alone are set up here, nothing in its math changed:
+    `MtpModel.from_pretrained` finds MTP weights through the main model's
+    `_keys_to_ignore_on_load_unexpected`, which names only the real checkpoints' MTP layer (61, 78),
+    so it is pointed at this checkpoint's; and for the DSA families (whose configs have no
+    num_mtp_layers) the MTP config gets `num_mtp_layers`, `mtp_layer_types` ("indexed_attention":
+    an MTP cache with an indexer key cache) and `mtp_mlp_layer_types`, the masks of that layer type
+    are handed to the layer as its attention mask (`create_masks_for_mtp_layer` knows no
+    "indexed_attention"), and GLM-5's decoder block, which returns (hidden, top-k), is unwrapped."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import MtpCache
+    from transformers.masking_utils import create_causal_mask
+    from transformers.modeling_layers import MtpModel
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(ckpt), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+        output_loading_info=True,
+    )
+    _check_loaded(ckpt, model, info)
+    model.eval()
+    cfg = model.config
+    n_layers = cfg.num_hidden_layers
+    dsa = cfg.model_type in DSA_ARCHS
+    if dsa:
+        cfg.num_mtp_layers = 1
+        cfg.mtp_layer_types = ["indexed_attention"]
+        cfg.mtp_mlp_layer_types = ["sparse"]
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n_layers}\..*"]
+
+    mtp = MtpModel.from_pretrained(model, device_map={"": torch.device("cpu")})
+    mtp.eval()
+    if dsa:
+        def masks(layer_idx: int, inputs_embeds: Any, mtp_cache: Any, position_ids: Any) -> dict[str, Any]:
+            mask = create_causal_mask(config=mtp.config, inputs_embeds=inputs_embeds, attention_mask=None,
+                                      cache=mtp_cache, position_ids=position_ids, layer_idx=layer_idx,
+                                      allow_is_causal_skip=False)
+            return {"attention_mask": mask}
+
+        mtp.create_masks_for_mtp_layer = masks
+    if cfg.model_type == "glm_moe_dsa":
+        block = mtp.layers[0].mtp_block
+
+        class Unwrap(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = block
+
+            def forward(self, *a: Any, **kw: Any) -> Any:
+                return self.inner(*a, **kw)[0]
+
+        mtp.layers[0].mtp_block = Unwrap()
+    with torch.no_grad():
+        ids = torch.tensor(prompt[None, :], dtype=torch.long)
+        out = model(input_ids=ids, output_hidden_states=True)
+        hidden = out.hidden_states[-1]  # [1, T, D] final-normed (transformers ties it to last_hidden_state)
+        cache = MtpCache(config=model.config.get_mtp_config())
+        t = len(prompt)
+        pos = torch.arange(1, t, dtype=torch.long)[None, :]
+        h = mtp.forward_layer(0, hidden[:, : t - 1], pos, cache, input_ids=ids[:, 1:])
+        draft = mtp._project_to_logits(h)[0].float().numpy().copy()  # [T-1, V]
+    return {"draft_logits": draft.astype(np.float32)}

@@ -63,6 +63,14 @@ def test_convert_matches_synth(tmp_path: Path, arch: str, fused: bool,
         assert (c.path / name).read_bytes() == (hf / name).read_bytes()
     q = c.manifest["quant_error"]
     assert 0 < q["dense"]["rel_rms"] < 0.02 and 0.05 < q["experts"]["rel_rms"] < 0.2
+    assert (c.mtp is None) == (ref.mtp is None) == (arch not in ("deepseek_v3", "glm4_moe", "glm_moe_dsa",
+                                                                  "deepseek_v32"))
+    if c.mtp is not None and ref.mtp is not None:  # the MTP head: int8 by default, the same bits
+        assert (c.mtp.layers, c.mtp.dtype) == (ref.mtp.layers, ref.mtp.dtype) == (1, "int8")
+        assert c.mtp.index.identity == ref.mtp.index.identity
+        for name in ref.mtp.specs:
+            assert np.array_equal(c.mtp.dense(name).data, ref.mtp.dense(name).data), name
+        assert 0 < c.manifest["mtp"]["quant_error"]["rel_rms"] < 0.02
     assert c.manifest["source"]["kind"] == "hf" and "model.safetensors.index.json" in c.manifest["source"]["files"]
     assert not (c.path / "convert.journal").exists() and not (c.path / ".spill").exists()
 

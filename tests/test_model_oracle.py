@@ -60,6 +60,17 @@ def test_fixture(name: str, tmp_path: Path) -> None:
     model = hf.build_model(ckpt)
     assert_logits_close(teacher_forced_logits(model, fx["prompt"]), fx["logits"])
     assert_greedy_matches(model, fx["prompt"], fx["greedy"], fx["greedy_gap"])
+    assert ("draft_logits" in fx) == hf.has_mtp(ckpt)
+    if "draft_logits" in fx:
+        assert_logits_close(draft_logits(ckpt, fx["prompt"]), fx["draft_logits"])
+
+
+def draft_logits(ckpt: Path, prompt: np.ndarray) -> np.ndarray:
+    """Our MTP layer 0, teacher-forced as helpers_hf.hf_mtp_reference runs transformers': [T-1, V]."""
+    model, head = hf.build_model_and_mtp(ckpt)
+    hidden = model.forward([(model.new_cache(), prompt)])[0]  # [T, D] final-normed
+    out = head.step(0, [(head.new_caches()[0], prompt[1:], hidden[:-1])])[0]  # positions 1..T-1
+    return model.head(out)
 
 
 # Live runs on the quirk configs and variants (a superset of what the synth presets exercise),
@@ -80,3 +91,14 @@ def test_live(name: str, tmp_path: Path) -> None:
     model = hf.build_model(ckpt)
     assert_logits_close(teacher_forced_logits(model, prompt), ref["logits"])
     assert_greedy_matches(model, prompt, ref["greedy"], ref["greedy_gap"])
+
+
+# The MTP layers of the four MTP families against transformers' MtpModel, live, another seed and
+# prompt than the fixtures.
+@pytest.mark.skipif(not hf.hf_available(), reason="torch/transformers not installed (the [oracle] extra)")
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "deepseek_v32", "glm_moe_dsa"])
+def test_live_mtp(arch: str, tmp_path: Path) -> None:
+    ckpt = hf.make_checkpoint(hf.SYNTH_MODULE, f"tiny-{arch}", tmp_path / "ckpt", 5)
+    prompt = hf.prompt_ids(512, 5, 20)
+    ref = hf.hf_mtp_reference(ckpt, prompt)["draft_logits"]
+    assert_logits_close(draft_logits(ckpt, prompt), ref)

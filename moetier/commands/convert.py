@@ -12,7 +12,7 @@ from moetier.weights.schema import DENSE_ALLOWED, EXPERTS_ALLOWED
 
 
 def _run(args: argparse.Namespace) -> int:
-    opts = ConvertOptions(experts=args.experts, dense=args.dense, group_size=args.group_size)
+    opts = ConvertOptions(experts=args.experts, dense=args.dense, group_size=args.group_size, mtp=args.mtp)
     try:
         out = convert(Path(args.src), Path(args.out), opts)
     except OSError as e:
@@ -28,4 +28,6 @@ def register(sub: Any) -> None:
     p.add_argument("--experts", choices=EXPERTS_ALLOWED, default="int4")
     p.add_argument("--dense", choices=DENSE_ALLOWED, default="int8")
     p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--mtp", choices=("int8", "bf16", "f32", "int4", "none"), default="int8",
+                   help="the checkpoint's MTP layers (default int8; int4 is refused; none: leave them out)")
     p.set_defaults(func=_run)

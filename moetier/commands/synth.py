@@ -18,6 +18,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{name:<18} {d['arch']:<12} {d['layers']:>3} layers  {d['experts']:>3} experts top-{d['top_k']:<2}"
                   f" {d['expert_bytes_int4'] / 1e9:>8.2f} GB int4 experts{shape_only}")
         return 0
+    if args.preset and not args.out:
+        print(synth.format_shape(synth.shape_report(args.preset, args.experts, args.dense, args.group_size,
+                                                    args.mtp)))
+        return 0
     if not args.preset or not args.out:
         print("moetier synth: --preset and --out are required (or --list)")
         return 2
@@ -28,8 +32,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.format == "hf":
         synth.write_hf_checkpoint(args.preset, out, args.seed, dtype=args.hf_dtype)
     else:
+        if args.mtp == "int4":
+            from moetier.convert.converter import MTP_INT4_REFUSED
+            from moetier.errors import InvalidArgument
+
+            raise InvalidArgument(MTP_INT4_REFUSED)
         synth.write_container(args.preset, out, args.seed, args.experts, args.dense, args.group_size,
-                              progress=True)
+                              progress=True, mtp=None if args.mtp == "none" else args.mtp)
     print(f"wrote {args.format} checkpoint of preset {args.preset} (seed {args.seed}) to {out}")
     return 0
 
@@ -37,12 +46,14 @@ def _run(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("synth", help="build a random checkpoint of a named shape")
     p.add_argument("--preset", help="preset name (see --list)")
-    p.add_argument("--out", help="output directory")
+    p.add_argument("--out", help="output directory (without it: print the preset's shape and sizes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=("hf", "container"), default="container")
     p.add_argument("--experts", choices=EXPERTS_ALLOWED, default="int4", help="container only")
     p.add_argument("--dense", choices=DENSE_ALLOWED, default="int8", help="container only")
     p.add_argument("--group-size", type=int, default=64, help="container only")
+    p.add_argument("--mtp", choices=("int8", "bf16", "f32", "int4", "none"), default="int8",
+                   help="the MTP layers of presets that have them (container only; int4 is refused)")
     p.add_argument("--hf-dtype", choices=("bf16", "f32", "f16"), default="bf16", help="hf only")
     p.add_argument("--list", action="store_true", help="list presets and their sizes")
     p.add_argument("--if-missing", action="store_true",

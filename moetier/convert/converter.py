@@ -39,7 +39,15 @@ from moetier.weights.format import MANIFEST, atomic_write, canonical_json, fsync
 from moetier.weights.layout import pack_part_into
 from moetier.weights.quant import ExpertWeights, QDType, QTensor, quantize
 from moetier.weights.safetensors_io import MappedFile, TensorInfo
-from moetier.weights.schema import DENSE_ALLOWED, EXPERT_PARTS, EXPERTS_ALLOWED, dense_shapes, expert_shapes
+from moetier.weights.schema import (
+    DENSE_ALLOWED,
+    EXPERT_PARTS,
+    EXPERTS_ALLOWED,
+    MTP_ALLOWED,
+    dense_shapes,
+    expert_shapes,
+    mtp_shapes,
+)
 from moetier.weights.writer import ContainerWriter
 
 log = logging.getLogger(__name__)
@@ -48,11 +56,16 @@ JOURNAL = "convert.journal"
 SPILL = ".spill"
 
 
+MTP_INT4_REFUSED = ("--mtp int4 is refused: an int4 MTP head drafts with 0-4% acceptance (measured by the seed's "
+                    "users), so it costs speed and shows nothing else; use int8 (the default), bf16 or f32")
+
+
 @dataclass(frozen=True)
 class ConvertOptions:
     experts: QDType = "int4"
     dense: QDType = "int8"
     group_size: int = 64
+    mtp: str = "int8"  # the MTP head's dtype, or "none" to leave it out
 
     def check(self) -> None:
         if self.experts not in EXPERTS_ALLOWED:
@@ -61,9 +74,20 @@ class ConvertOptions:
             raise ConversionError(f"--dense {self.dense}: choose one of {', '.join(DENSE_ALLOWED)}")
         if self.group_size <= 0 or self.group_size % 2:
             raise ConversionError(f"--group-size {self.group_size}: must be a positive even number")
+        if self.mtp == "int4":
+            raise ConversionError(MTP_INT4_REFUSED)
+        if self.mtp != "none" and self.mtp not in MTP_ALLOWED:
+            raise ConversionError(f"--mtp {self.mtp}: choose one of {', '.join(MTP_ALLOWED)} or none")
+
+    @property
+    def mtp_dtype(self) -> QDType:
+        return "int8" if self.mtp == "none" else self.mtp  # type: ignore[return-value]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"experts": self.experts, "dense": self.dense, "group_size": self.group_size}
+        d: dict[str, Any] = {"experts": self.experts, "dense": self.dense, "group_size": self.group_size}
+        if self.mtp != "int8":  # the default leaves the identity of conversions without MTP unchanged
+            d["mtp"] = self.mtp
+        return d
 
 
 PartKey = tuple[int, int, str]  # (layer, expert, part)
@@ -111,11 +135,29 @@ class Converter:
         self.on_progress = on_progress
         self.progress = progress
         self.identity = xxh3_hex(canonical_json({"source": self.source.identity(), "options": opts.to_dict()}))
+        self.n_mtp = 0 if opts.mtp == "none" else self._mtp_present()
         self.dense_want = dense_shapes(self.args)
+        self.mtp_want = mtp_shapes(self.args, self.n_mtp)
         self.expert_want = expert_shapes(self.args)
         self.sample = set(experts_sample(self.args.n_routed_experts))
         self.spill_dir = out / SPILL
         self.journal = _Journal(out / JOURNAL)
+
+    def _mtp_present(self) -> int:
+        """MTP layers to convert: those the config announces whose tensors the checkpoint holds
+        (a checkpoint stripped of its MTP layers converts to a container without a head)."""
+        announced = self.source.adapter.mtp_layers(self.source.config)
+        names = {n for s in self.source.shards for n in s.header.tensors}
+        n = 0
+        while n < announced and any(k.startswith(f"model.layers.{self.args.num_layers + n}.") for k in names):
+            n += 1
+        if n < announced:
+            log.info("config.json announces %d MTP layers; the checkpoint holds %d: the container gets %d",
+                     announced, n, n)
+        return n
+
+    def _mtp_layer(self, layer: int) -> bool:
+        return self.args.num_layers <= layer < self.args.num_layers + self.n_mtp
 
     # ---- output directory state ----------------------------------------------------------------
     def _prepare(self) -> list[dict[str, Any]] | None:
@@ -154,13 +196,15 @@ class Converter:
             log.info("%s already holds this conversion", self.out)
             self._cleanup()
             return self.out
-        w = ContainerWriter(self.out, self.args, self.opts.experts, self.opts.dense, self.opts.group_size)
+        w = ContainerWriter(self.out, self.args, self.opts.experts, self.opts.dense, self.opts.group_size,
+                            mtp_layers=self.n_mtp, mtp_dtype=self.opts.mtp_dtype,
+                            mtp_hidden_first=self.source.adapter.mtp_hidden_first(self.source.config))
         seen_dense: set[str] = set()
         seen_parts: set[PartKey] = set()
         spilled: set[PartKey] = set()
         stats: Stats = {}
         files: dict[str, dict[str, Any]] = {}
-        n_dense_files = 0
+        n_dense_files = n_mtp_files = 0
         done_shards = set()
         for ent in done:
             done_shards.add(ent["shard"])
@@ -168,6 +212,10 @@ class Converter:
                 n_dense_files += 1
                 w.note_dense_file(n_dense_files, ent["dense"])
                 seen_dense.update(ent["dense"])
+            if ent.get("mtp_dense"):
+                n_mtp_files += 1
+                w.note_dense_file(n_mtp_files, ent["mtp_dense"], mtp=True)
+                seen_dense.update(ent["mtp_dense"])
             for li, e, ck in ent["records"]:
                 w.note_record(li, e, ck)
                 seen_parts.update((li, e, p) for p in EXPERT_PARTS)
@@ -187,9 +235,12 @@ class Converter:
             for shard in self.source.shards:
                 if shard.name in done_shards:
                     continue
-                ent = self._shard(shard, w, n_dense_files + 1, seen_dense, seen_parts, spilled, bar)
+                ent = self._shard(shard, w, (n_dense_files + 1, n_mtp_files + 1), seen_dense, seen_parts, spilled,
+                                  bar)
                 if ent["dense"]:
                     n_dense_files += 1
+                if ent.get("mtp_dense"):
+                    n_mtp_files += 1
                 self.journal.append(ent)
                 spilled.update((key[0], key[1], key[2]) for key in ent["spilled"])
                 for key in ent["consumed"]:
@@ -212,7 +263,10 @@ class Converter:
         source = {"kind": "hf", "model_type": self.args.arch, "identity": self.identity,
                   "files": dict(sorted(src_files.items()))}
         copies: dict[str, bytes | Path] = dict(self.source.extra_files())
-        w.finish(source, copies, summary(stats, w.quantization))
+        mtp_stats = {"mtp": stats.pop("mtp")} if "mtp" in stats else {}
+        mtp_error = (summary(mtp_stats, {"mtp": self.opts.mtp_dtype, "group_size": self.opts.group_size})["mtp"]
+                     if mtp_stats else None)
+        w.finish(source, copies, summary(stats, w.quantization), mtp_error)
         self._cleanup()
         return self.out
 
@@ -229,11 +283,12 @@ class Converter:
             self.on_progress(self._bytes)
 
     # ---- one shard ----------------------------------------------------------------------------
-    def _shard(self, shard: Any, w: ContainerWriter, dense_k: int, seen_dense: set[str],
+    def _shard(self, shard: Any, w: ContainerWriter, dense_k: tuple[int, int], seen_dense: set[str],
                seen_parts: set[PartKey], spilled: set[PartKey], bar: tqdm) -> dict[str, Any]:
         mf = MappedFile(shard.path, f"shard {shard.name}")
         ad, args, opts = self.source.adapter, self.args, self.opts
         dense_q: dict[str, QTensor] = {}
+        mtp_q: dict[str, QTensor] = {}
         parts: dict[tuple[int, int], dict[str, QTensor]] = {}
         records: list[list[Any]] = []
         consumed: list[list[Any]] = []
@@ -245,7 +300,7 @@ class Converter:
                     self._advance(info.nbytes, bar)
                     continue  # FP8 block scales are read with their weight
                 try:
-                    target = ad.target(name, args)
+                    target = ad.target(name, args, self.n_mtp)
                 except UnknownTensor as exc:
                     raise ConversionError(f"{exc} (in shard {shard.name})") from exc
                 where = f"tensor {name!r} in {shard.name}"
@@ -253,7 +308,21 @@ class Converter:
                                       and args.tie_word_embeddings):
                     self._advance(info.nbytes, bar)
                     continue
-                if isinstance(target, Dense):
+                if isinstance(target, Dense) and target.name.startswith("mtp."):
+                    want = self.mtp_want.get(target.name)
+                    if want is None:
+                        raise ConversionError(f"{where} ({target.name}) is not part of this {args.arch} MTP head")
+                    _check_shape(where, info.shape, want)
+                    if target.name in seen_dense:
+                        raise ConversionError(f"{where}: {target.name} appears twice in the checkpoint")
+                    seen_dense.add(target.name)
+                    x = load_f32(mf, info, shard.name)
+                    spec = w.mtp_specs[target.name]
+                    q = quantize(x, spec.dtype, opts.group_size)
+                    mtp_q[target.name] = q
+                    if spec.dtype != "f32":
+                        measure(stats, "mtp", x, q, opts.group_size)
+                elif isinstance(target, Dense):
                     want = self.dense_want.get(target.name)
                     if want is None and 0 in info.shape:
                         # an empty tensor the shape does not use (transformers builds a zero-width
@@ -278,9 +347,10 @@ class Converter:
                         if key in seen_parts:
                             raise ConversionError(f"{where}: layer {li} expert {e} {part} appears twice")
                         seen_parts.add(key)
-                        q = quantize(x, opts.experts, opts.group_size)
+                        mtp = self._mtp_layer(li)
+                        q = quantize(x, opts.mtp_dtype if mtp else opts.experts, opts.group_size)
                         if e in self.sample:
-                            measure(stats, "experts", x, q, opts.group_size)
+                            measure(stats, "mtp" if mtp else "experts", x, q, opts.group_size)
                         have = parts.setdefault((li, e), {})
                         have[part] = q
                         self._maybe_record(w, li, e, have, spilled, records, consumed)
@@ -293,25 +363,35 @@ class Converter:
                     spill.append([li, e, part])
             dense_names = sorted(dense_q)
             if dense_names:
-                f = w.dense_file(dense_k, dense_names)
+                f = w.dense_file(dense_k[0], dense_names)
                 for n in dense_names:
                     f.add(n, dense_q[n])
+                f.close()
+            mtp_names = sorted(mtp_q)
+            if mtp_names:
+                f = w.mtp_dense_file(dense_k[1], mtp_names)
+                for n in mtp_names:
+                    f.add(n, mtp_q[n])
                 f.close()
             w.sync()
             if spill:
                 fsync_dir(self.spill_dir)
         finally:
             mf.close()
-        return {"kind": "shard", "shard": shard.name, "size": shard.size, "xxh3_64": xxh3_file(shard.path),
-                "dense": dense_names, "records": sorted(records), "spilled": spill, "consumed": sorted(consumed),
-                "errors": stats}
+        ent = {"kind": "shard", "shard": shard.name, "size": shard.size, "xxh3_64": xxh3_file(shard.path),
+               "dense": dense_names, "records": sorted(records), "spilled": spill, "consumed": sorted(consumed),
+               "errors": stats}
+        if mtp_names:
+            ent["mtp_dense"] = mtp_names
+        return ent
 
     def _expert_parts(self, target: Expert | FusedExperts, info: TensorInfo, mf: MappedFile, shard: str,
                       where: str) -> Iterator[tuple[int, int, str, F32]]:
         """(layer, expert, part, float32 matrix), one expert at a time (a fused tensor is
         widened slice by slice, never whole)."""
         args = self.args
-        if target.layer >= args.num_layers or not args.moe_layers[target.layer]:
+        if not self._mtp_layer(target.layer) and (target.layer >= args.num_layers
+                                                  or not args.moe_layers[target.layer]):
             raise ConversionError(f"{where}: layer {target.layer} is not a MoE layer of this {args.arch} model")
         e_count, inter, d = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
         if isinstance(target, Expert):
@@ -346,14 +426,14 @@ class Converter:
         have.clear()  # done: nothing of this expert is left to spill
 
     def _spill(self, li: int, e: int, part: str, q: QTensor, w: ContainerWriter) -> None:
-        p = w.layout.part(part)
+        p = w.layout_for(li).part(part)
         buf = bytearray(p.end - p.data_offset)
         pack_part_into(p, q, buf, -p.data_offset)
         self.spill_dir.mkdir(exist_ok=True)
         atomic_write(self.spill_dir / _spill_name(li, e, part), bytes(buf))
 
     def _unspill(self, li: int, e: int, part: str, w: ContainerWriter) -> QTensor:
-        p = w.layout.part(part)
+        p = w.layout_for(li).part(part)
         path = self.spill_dir / _spill_name(li, e, part)
         try:
             raw = np.frombuffer(path.read_bytes(), dtype=np.uint8)
@@ -366,9 +446,10 @@ class Converter:
 
     def _check_complete(self, seen_dense: set[str], seen_parts: set[PartKey]) -> None:
         args = self.args
-        want = [n for n in self.dense_want if n not in seen_dense]
-        want += [f"layer {li} expert {e} {p}" for li in args.moe_layer_ids for e in range(args.n_routed_experts)
-                 for p in EXPERT_PARTS if (li, e, p) not in seen_parts]
+        want = [n for n in [*self.dense_want, *self.mtp_want] if n not in seen_dense]
+        mtp_layers = list(range(args.num_layers, args.num_layers + self.n_mtp))
+        want += [f"layer {li} expert {e} {p}" for li in args.moe_layer_ids + mtp_layers
+                 for e in range(args.n_routed_experts) for p in EXPERT_PARTS if (li, e, p) not in seen_parts]
         if want:
             more = f" (+{len(want) - 5} more)" if len(want) > 5 else ""
             raise ConversionError(f"checkpoint is missing tensors: {', '.join(want[:5])}{more}")

@@ -50,6 +50,35 @@ def synth_errors(c: Container) -> dict[str, Any]:
     return summary(stats, c.quantization)
 
 
+def synth_mtp_error(c: Container) -> dict[str, Any]:
+    """The MTP head's error against its regenerated source (dense tensors, a sample of experts)."""
+    assert c.mtp is not None
+    seed, args, g = int(c.source["seed"]), c.args, c.mtp.group_size
+    stats: Stats = {}
+    for name, spec in c.mtp.specs.items():
+        if tensor_class(name, spec.shape) == "dense":
+            measure(stats, "mtp", synth.dense_tensor(name, spec.shape, seed, args.hidden_size), c.mtp.dense(name), g)
+    shapes = expert_shapes(args)
+    for li in c.mtp.expert_layers:
+        for e in experts_sample(args.n_routed_experts):
+            ew = c.read_expert(li, e)
+            for part, q in zip(EXPERT_PARTS, (ew.gate, ew.up, ew.down), strict=True):
+                measure(stats, "mtp", synth.expert_tensor(li, e, part, shapes[part], seed), q, g)
+    if not stats:
+        return {}
+    return summary(stats, {"mtp": c.mtp.dtype, "group_size": g})["mtp"]
+
+
+def mtp_report(c: Container, regenerate: bool) -> dict[str, Any] | None:
+    """The MTP head: presence, precision, sizes and quantization error (None: the container has none)."""
+    if c.mtp is None:
+        return None
+    m = c.mtp
+    error = synth_mtp_error(c) if regenerate else m.quant_error
+    return {"layers": m.layers, "dtype": m.dtype, "group_size": m.group_size, "dense_bytes": m.dense_bytes,
+            "expert_bytes": m.expert_bytes, "record_bytes": m.layout.record_bytes, "quant_error": error}
+
+
 def inspect_container(path: str, verify: bool = False) -> dict[str, Any]:
     with Container.open(path, verify=verify) as c:
         a = c.args
@@ -93,6 +122,8 @@ def inspect_container(path: str, verify: bool = False) -> dict[str, Any]:
             "verified": verify,
             "quant_error": errors,
             "quant_error_source": err_source,
+            "mtp": mtp_report(c, regenerate=c.source.get("kind") == "synth"
+                              and built_by == synth.GENERATOR_VERSION),
         }
 
 
@@ -123,4 +154,17 @@ def format_report(r: dict[str, Any]) -> str:
     for cls, e in r["quant_error"].items():
         lines.append(f"  {cls:<8} {e['dtype']:<10} {e['tensors']:>7} {e['rel_rms']:>10.5f} "
                      f"{e[f'int4_g{g}_rel_rms']:>10.5f} {e['int4_per_row_rel_rms']:>10.5f}")
+    m = r.get("mtp")
+    if m is None:
+        lines.append("MTP head       none (no speculative decoding)")
+    else:
+        err = m["quant_error"]
+        if err:
+            g4 = err[f"int4_g{err['group_size']}_rel_rms"]
+            rel = (f"relative RMS {err['rel_rms']:.5f} over {err['tensors']} tensors "
+                   f"(int4 g{err['group_size']} would be {g4:.5f})")
+        else:
+            rel = "error not recorded"
+        lines.append(f"MTP head       {m['layers']} layer(s), {m['dtype']} g{m['group_size']}: "
+                     f"{_mb(m['dense_bytes'])} dense + {_mb(m['expert_bytes'])} experts; {rel}")
     return "\n".join(lines)

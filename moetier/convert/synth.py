@@ -34,14 +34,15 @@ import xxhash
 from tqdm import tqdm
 
 from moetier.convert.adapters import adapter_for
+from moetier.convert.adapters.base import iter_expert_parts
 from moetier.convert.tokenizer import BOS_ID, STOP_IDS, tokenizer_files
 from moetier.errors import InvalidArgument
 from moetier.model.config import ModelArgs
-from moetier.weights.format import EXPERTS_DIR, expert_file_name, xxh3_hex
+from moetier.weights.format import EXPERTS_DIR, MTP_EXPERTS_DIR, expert_file_name, xxh3_hex
 from moetier.weights.layout import RecordLayout, pack_part_into
 from moetier.weights.quant import QDType, bf16_bits, quantize
 from moetier.weights.safetensors_io import SafetensorsWriter
-from moetier.weights.schema import EXPERT_PARTS, dense_shapes, expert_shapes, tensor_class
+from moetier.weights.schema import EXPERT_PARTS, dense_shapes, expert_shapes, mtp_shapes, tensor_class
 from moetier.weights.writer import ContainerWriter
 
 F32 = npt.NDArray[np.float32]
@@ -61,6 +62,11 @@ class Preset:
     @property
     def args(self) -> ModelArgs:
         return adapter_for(self.config["model_type"]).model_args(self.config)
+
+    @property
+    def mtp_layers(self) -> int:
+        """MTP layers of the preset (its config's num_nextn_predict_layers)."""
+        return adapter_for(self.config["model_type"]).mtp_layers(self.config)
 
 
 _ARCHITECTURES = {
@@ -102,10 +108,11 @@ def _mla(model_type: str, *, hidden: int, layers: int, first_dense: int, experts
                 qk_rope_head_dim=rope, v_head_dim=v, attention_bias=False, rope_interleave=True)
     if model_type == "deepseek_v3":
         base.update(n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
-                    num_nextn_predict_layers=0)
+                    num_nextn_predict_layers=1)
     elif model_type in ("deepseek_v32", "glm_moe_dsa"):
         del base["rope_interleave"]  # always interleaved in the main attention: no such config field
-        base.update(n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
+        base.update(n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+                    num_nextn_predict_layers=1)
     else:
         base.update(topk_method="greedy", n_group=None, topk_group=None, norm_topk_prob=False,
                     routed_scaling_factor=1.0)
@@ -136,7 +143,7 @@ def _tiny() -> dict[str, Preset]:
         "glm4_moe": _config("glm4_moe", **gqa, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
                             n_shared_experts=1, moe_intermediate_size=32, intermediate_size=128,
                             use_qk_norm=True, attention_bias=True, n_group=1, topk_group=1, norm_topk_prob=True,
-                            routed_scaling_factor=2.5, num_nextn_predict_layers=0, rms_norm_eps=1e-5,
+                            routed_scaling_factor=2.5, num_nextn_predict_layers=1, rms_norm_eps=1e-5,
                             rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
                                              "partial_rotary_factor": 0.5}),
         "qwen3_moe": _config("qwen3_moe", **gqa, num_hidden_layers=2, num_experts=8, moe_intermediate_size=48,
@@ -254,8 +261,16 @@ def _std(name: str, shape: tuple[int, ...], d: int) -> float:
 # model behaves like a confident bigram model (median gap several nats) while every layer still
 # shapes the logits. Quantization studies on synth models are then not dominated by near-ties.
 READOUT_ALIGNMENT = 4.0
+# An MTP layer drafts the token the main model will choose next. A random one would agree with it
+# by chance only; the synth MTP layer instead passes the normed embedding of its input token
+# through eh_proj (its embedding half is MTP_ALIGNMENT times the identity, over a small random
+# matrix), so its readout sees what the main model's does: the input token's embedding, shaped by
+# one decoder block, and it agrees with the main model as often as a trained MTP head does.
+MTP_ALIGNMENT = 1.0
+MTP_EH_NOISE = 0.25  # std of eh_proj's random part, times 1/sqrt(2D)
 # Version of the weight generator, recorded in synth manifests: inspect regenerates source
-# tensors only for containers made by this version (2: the confident readout above).
+# tensors only for containers made by this version (2: the confident readout above). The MTP
+# layers added no new version: every tensor generator 2 made is made the same.
 GENERATOR_VERSION = 2
 
 
@@ -265,6 +280,9 @@ def dense_tensor(name: str, shape: tuple[int, ...], seed: int, hidden: int) -> F
         return np.ones(shape, dtype=np.float32)
     x = _rng(seed, name).standard_normal(shape, dtype=np.float32)
     x *= np.float32(_std(name, shape, hidden))
+    if name.startswith("mtp.") and name.endswith(".eh_proj"):  # [D, 2D]: [embedding | hidden] -> D
+        x *= np.float32(MTP_EH_NOISE)
+        x[:, : shape[0]] += np.float32(MTP_ALIGNMENT) * np.eye(shape[0], dtype=np.float32)
     if name == "lm_head":
         embed = dense_tensor("embed", shape, seed, hidden)  # [V, D], same shape as lm_head
         perm = _rng(seed, "readout").permutation(shape[0])
@@ -334,6 +352,14 @@ def _hf_tensors(p: Preset, fused: bool) -> list[tuple[str, tuple[int, ...], Gen]
     dense("final_norm")
     if "lm_head" in shapes:
         dense("lm_head")
+    n_mtp = p.mtp_layers
+    for n, shape in mtp_shapes(args, n_mtp).items():
+        out.append((ad.mtp_source_name(n, args.num_layers), shape, partial(_dense_gen, n, shape, d)))
+    for li in range(args.num_layers, args.num_layers + n_mtp):
+        for e in range(e_count):
+            for part in iter_expert_parts():
+                out.append((ad.expert_source_name(li, e, part), ex[part],
+                            partial(_expert_gen, li, e, part, ex[part])))
     return out
 
 
@@ -411,7 +437,8 @@ def _synth_layer(job: tuple[Path, str, int, int, QDType, int]) -> list[str]:
     layout = RecordLayout.build(args.moe_intermediate_size, args.hidden_size, experts, g)
     shapes = expert_shapes(args)
     sums = []
-    fd = os.open(out / EXPERTS_DIR / expert_file_name(layer), os.O_RDWR)
+    where = MTP_EXPERTS_DIR if layer >= args.num_layers else EXPERTS_DIR
+    fd = os.open(out / where / expert_file_name(layer), os.O_RDWR)
     try:
         buf = bytearray(layout.record_bytes)
         for e in range(args.n_routed_experts):
@@ -427,14 +454,17 @@ def _synth_layer(job: tuple[Path, str, int, int, QDType, int]) -> list[str]:
 
 
 def write_container(preset: str, out_dir: Path, seed: int, experts: QDType = "int4", dense: QDType = "int8",
-                    group_size: int = 64, *, workers: int | None = None, progress: bool = False) -> Path:
+                    group_size: int = 64, *, workers: int | None = None, progress: bool = False,
+                    mtp: QDType | None = "int8") -> Path:
     """Generate a container directly: dense tensors file by file, experts layer by layer
-    (in `workers` processes), each expert generated, quantized and written on its own."""
+    (in `workers` processes), each expert generated, quantized and written on its own.
+    `mtp`: the dtype of the preset's MTP layers (None: leave them out)."""
     p = PRESETS[_known(preset)]
     _refuse_shape_only(p)
     args = p.args
+    n_mtp = p.mtp_layers if mtp is not None else 0
     out_dir.mkdir(parents=True, exist_ok=True)
-    w = ContainerWriter(out_dir, args, experts, dense, group_size)
+    w = ContainerWriter(out_dir, args, experts, dense, group_size, mtp_layers=n_mtp, mtp_dtype=mtp or "int8")
     for k, group in enumerate(_dense_groups(w), start=1):
         f = w.dense_file(k, group)
         for name in group:
@@ -442,10 +472,16 @@ def write_container(preset: str, out_dir: Path, seed: int, experts: QDType = "in
             x = dense_tensor(name, spec.shape, seed, args.hidden_size)
             f.add(name, quantize(x, spec.dtype, group_size))
         f.close()
-    layers = args.moe_layer_ids
+    if n_mtp:
+        f = w.mtp_dense_file(1, list(w.mtp_specs))
+        for name, spec in w.mtp_specs.items():
+            f.add(name, quantize(dense_tensor(name, spec.shape, seed, args.hidden_size), spec.dtype, group_size))
+        f.close()
+    layers = args.moe_layer_ids + w.mtp_layers
     for li in layers:
         w.expert_file(li)  # created and sized here; workers write records into it
-    jobs = [(out_dir, preset, seed, li, experts, group_size) for li in layers]
+    jobs = [(out_dir, preset, seed, li, experts if li < args.num_layers else (mtp or "int8"), group_size)
+            for li in layers]
     n_workers = workers if workers is not None else (min(os.cpu_count() or 1, len(jobs))
                                                       if total_expert_bytes(args, experts, group_size) > (64 << 20)
                                                       else 1)
@@ -484,3 +520,54 @@ def describe(name: str) -> dict[str, Any]:
             "dense_params": sum(int(np.prod(s)) for s in dense_shapes(args).values()),
             "materialize": p.materialize, "exact_tensors": sum(
                 1 for n, s in dense_shapes(args).items() if tensor_class(n, s) == "exact")}
+
+
+def shape_report(name: str, experts: QDType = "int4", dense: QDType = "int8", group_size: int = 64,
+                 mtp: str = "int8") -> dict[str, Any]:
+    """What a preset's container would hold and what must stay resident, without building it:
+    bytes of the dense part, of the routed experts and of the MTP head (its dense tensors and its
+    experts), in the given dtypes, and the per-token KV cache."""
+    from moetier.weights.writer import planned_dense, planned_mtp
+
+    p = preset(name)
+    args = p.args
+
+    def nbytes(specs: dict[str, Any]) -> int:
+        return sum(int(np.prod(sh)) * (4 if t == "F32" else 2 if t in ("F16", "U16") else 1)
+                   for spec in specs.values() for _, t, sh in spec.entries())
+
+    n_mtp = p.mtp_layers if mtp != "none" else 0
+    mtp_dtype: QDType = "int8" if mtp in ("none", "int4") else mtp  # type: ignore[assignment]
+    mtp_dense = nbytes(planned_mtp(args, n_mtp, mtp_dtype, group_size)) if n_mtp else 0
+    mtp_experts = n_mtp * args.n_routed_experts * expert_record_bytes(args, mtp_dtype, group_size)
+    dense_b = nbytes(planned_dense(args, dense, group_size))
+    return {
+        "preset": name, "arch": args.arch, "layers": args.num_layers, "moe_layers": len(args.moe_layer_ids),
+        "experts": args.n_routed_experts, "top_k": args.num_experts_per_tok, "mtp_layers": n_mtp,
+        "quantization": {"experts": experts, "dense": dense, "group_size": group_size, "mtp": mtp_dtype},
+        "dense_bytes": dense_b,
+        "expert_bytes": total_expert_bytes(args, experts, group_size),
+        "record_bytes": expert_record_bytes(args, experts, group_size),
+        "active_expert_bytes_per_token": len(args.moe_layer_ids) * args.num_experts_per_tok
+        * expert_record_bytes(args, experts, group_size),
+        "mtp_dense_bytes": mtp_dense, "mtp_expert_bytes": mtp_experts,
+        "kv_bytes_per_token": 4 * args.kv_floats_per_token,
+        "resident_bytes": dense_b + mtp_dense,  # the routed experts (main and MTP) are tiered
+    }
+
+
+def format_shape(r: dict[str, Any]) -> str:
+    q = r["quantization"]
+    gb = 1e9
+    return "\n".join([
+        f"preset       {r['preset']} ({r['arch']}): {r['layers']} layers ({r['moe_layers']} MoE), "
+        f"{r['experts']} experts top-{r['top_k']}, {r['mtp_layers']} MTP layer(s)",
+        f"dense        {r['dense_bytes'] / gb:,.2f} GB ({q['dense']}; norms, routers and gates f32)",
+        f"experts      {r['expert_bytes'] / gb:,.2f} GB ({q['experts']} g{q['group_size']}, "
+        f"{r['record_bytes']:,} bytes per record; {r['active_expert_bytes_per_token'] / gb:,.2f} GB active per token)",
+        f"MTP head     {r['mtp_dense_bytes'] / gb:,.2f} GB dense + {r['mtp_expert_bytes'] / gb:,.2f} GB experts "
+        f"({q['mtp']})",
+        f"KV cache     {r['kv_bytes_per_token']:,} bytes per token (float32)",
+        f"resident     {r['resident_bytes'] / gb:,.2f} GB (dense + the MTP head's dense part; routed experts, "
+        "the MTP head's included, live in the expert tier)",
+    ])

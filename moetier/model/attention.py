@@ -58,8 +58,10 @@ def _opt_vector(dense: Mapping[str, QTensor], name: str) -> F32 | None:
 
 
 class GqaAttention:
-    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float):
-        p = f"layers.{layer}.attn"
+    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float,
+                 prefix: str | None = None):
+        """layer: the KV cache layer it writes; prefix: its tensors' names (default "layers.{layer}")."""
+        p = f"{prefix or f'layers.{layer}'}.attn"
         self.args, self.layer, self.rope, self.scale = args, layer, rope, scale
         self.wq, self.wk, self.wv, self.wo = (dense[f"{p}.w{x}"] for x in "qkvo")
         self.bq, self.bk, self.bv = (_opt_vector(dense, f"{p}.b{x}") if args.qkv_bias else None for x in "qkv")
@@ -105,8 +107,10 @@ class GqaAttention:
 
 
 class MlaAttention:
-    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float):
-        p = f"layers.{layer}.attn"
+    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float,
+                 prefix: str | None = None):
+        """layer: the KV cache layer it writes; prefix: its tensors' names (default "layers.{layer}")."""
+        p = f"{prefix or f'layers.{layer}'}.attn"
         self.args, self.layer, self.rope, self.scale = args, layer, rope, scale
         if args.q_lora_rank is None:
             self.wq: QTensor | None = dense[f"{p}.wq"]
@@ -182,11 +186,15 @@ class MlaAttention:
 Attention = GqaAttention | MlaAttention
 
 
-def build_attention(args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float) -> Attention:
+def build_attention(args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float,
+                    prefix: str | None = None, indexer: bool | None = None) -> Attention:
+    """The attention of cache layer `layer`, tensors under `prefix` (default "layers.{layer}");
+    DSA: `indexer` says whether it runs its own (default: ModelArgs.indexer_layers[layer])."""
     if args.attention == "mla":
         if args.index_topk:
             from moetier.model.dsa import DsaAttention  # it extends MlaAttention
 
-            return DsaAttention(args, layer, dense, rope, scale)
-        return MlaAttention(args, layer, dense, rope, scale)
-    return GqaAttention(args, layer, dense, rope, scale)
+            own = args.indexer_layers[layer] if indexer is None else indexer
+            return DsaAttention(args, layer, dense, rope, scale, prefix, own)
+        return MlaAttention(args, layer, dense, rope, scale, prefix)
+    return GqaAttention(args, layer, dense, rope, scale, prefix)

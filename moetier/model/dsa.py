@@ -65,8 +65,8 @@ def choose(scores: F32, k: int) -> I64:
 
 
 class Indexer:
-    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope) -> None:
-        p = f"layers.{layer}.attn"
+    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, prefix: str) -> None:
+        p = f"{prefix}.attn"
         self.args, self.layer = args, layer
         self.rope = dataclasses.replace(rope, interleave=args.index_rope_interleave)
         self.wq_b = dense[f"{p}.index_wq_b"]  # [Hi*Di, Q]
@@ -101,9 +101,11 @@ class Indexer:
 
 
 class DsaAttention(MlaAttention):
-    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float):
-        super().__init__(args, layer, dense, rope, scale)
-        self.indexer = Indexer(args, layer, dense, rope) if args.indexer_layers[layer] else None
+    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float,
+                 prefix: str | None = None, indexer: bool = True):
+        """indexer: runs its own indexer (False: reuses the choice of an earlier layer of the step)."""
+        super().__init__(args, layer, dense, rope, scale, prefix)
+        self.indexer = Indexer(args, layer, dense, rope, prefix or f"layers.{layer}") if indexer else None
 
     def __call__(self, ops: Ops, h: F32, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32:
         """h [T, D] (normed) -> [T, D]; writes the latent (and index key) rows of every segment."""

@@ -40,8 +40,9 @@ class SwiGlu:
 
 
 class MoeBlock:
-    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor]) -> None:
-        p = f"layers.{layer}.moe"
+    def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], prefix: str | None = None) -> None:
+        """layer: the expert layer id its provider calls; prefix: its tensors (default "layers.{layer}")."""
+        p = f"{prefix or f'layers.{layer}'}.moe"
         self.layer = layer
         bias = vector(dense[f"{p}.router_bias"]) if args.score_correction_bias else None
         self.router = Router(args, dense[f"{p}.router"], bias)

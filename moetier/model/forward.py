@@ -148,6 +148,17 @@ class Model:
         """
         if not batch:
             return []
+        hidden = self.forward(batch, last_only=not all_logits)
+        if all_logits:
+            return [self.head(h) for h in hidden]
+        return list(self.head(np.concatenate(hidden)))  # [B, V]
+
+    def forward(self, batch: Sequence[tuple[KVCache, TokenIds]], last_only: bool = False) -> list[F32]:
+        """The step without the lm_head: per sequence the final-normed hidden state of each new
+        token [n_b, D] (last_only: of its last token, [1, D]), what `head` turns into logits and
+        what a multi-token-prediction head reads."""
+        if not batch:
+            return []
         tokens = [self._check_tokens(np.asarray(t)) for _, t in batch]
         segments = self._segments([c for c, _ in batch], tokens)
         ids = np.concatenate(tokens)  # [T]
@@ -162,13 +173,19 @@ class Model:
             seg.cache.commit(t)
         self.stats.steps += 1
         self.stats.tokens += len(ids)
+        if last_only:
+            x = x[np.array([s.rows.stop - 1 for s in segments])]  # [B, D]
+            return list(self.final_normed(x)[:, None, :])
+        h = self.final_normed(x)  # [T, D]
+        return [h[s.rows] for s in segments]
 
-        if all_logits:
-            logits = self._logits(x)  # [T, V]
-            return [logits[s.rows] for s in segments]
-        last = np.array([s.rows.stop - 1 for s in segments])
-        logits = self._logits(x[last])  # [B, V]
-        return list(logits)
+    def final_normed(self, x: F32) -> F32:
+        """The residual stream [n, D] after the final norm."""
+        return self.ops.rmsnorm(np.ascontiguousarray(x), self.final_norm, self.args.rms_norm_eps)
+
+    def head(self, h: F32) -> F32:
+        """Final-normed hidden states [n, D] -> logits [n, V]."""
+        return self.ops.linear(np.ascontiguousarray(h), self.lm_head)
 
     def _check_tokens(self, t: npt.NDArray[np.generic]) -> npt.NDArray[np.int64]:
         t = t.reshape(-1)
@@ -231,7 +248,3 @@ class Model:
         if top < guess.shape[1]:  # [T, K] -> [T, top], by weight (ties: the router's order)
             guess = np.take_along_axis(guess, np.argsort(-w, axis=1, kind="stable")[:, :top], axis=1)
         return np.unique(guess).astype(np.int32)  # [n] of the [T, top] guesses
-
-    def _logits(self, x: F32) -> F32:
-        h = self.ops.rmsnorm(np.ascontiguousarray(x), self.final_norm, self.args.rms_norm_eps)  # [n, D]
-        return self.ops.linear(h, self.lm_head)  # [n, V]

@@ -27,6 +27,11 @@ from moetier.weights.format import (
     MANIFEST,
     MANIFEST_KEYS,
     MANIFEST_OPTIONAL,
+    MTP_DIR,
+    MTP_EXPERTS_DIR,
+    MTP_INDEX,
+    MTP_KEYS,
+    MTP_OPTIONAL,
     QUANT_KEYS,
     expert_file_name,
     xxh3_file,
@@ -34,9 +39,9 @@ from moetier.weights.format import (
 )
 from moetier.weights.index import ExpertIndex
 from moetier.weights.layout import RecordLayout
-from moetier.weights.quant import ExpertWeights, QTensor
-from moetier.weights.schema import DENSE_ALLOWED, EXPERTS_ALLOWED
-from moetier.weights.writer import planned_dense
+from moetier.weights.quant import ExpertWeights, QDType, QTensor
+from moetier.weights.schema import DENSE_ALLOWED, EXPERTS_ALLOWED, MTP_ALLOWED
+from moetier.weights.writer import mtp_expert_layers, planned_dense, planned_mtp
 
 
 def _keys(obj: Any, required: set[str], optional: set[str], label: str) -> dict[str, Any]:
@@ -76,26 +81,97 @@ def within(root: Path, path: Path) -> bool:
         return False
 
 
-def _container_index(root: Path, doc: Any, args: ModelArgs, quant: dict[str, Any],
-                     sizes: dict[str, int]) -> ExpertIndex:
-    """experts/index.json read by the one index reader, then held to what the manifest says:
-    the canonical layout of the model's shape and quantization, its MoE layers and experts,
-    one file per MoE layer holding that layer's records."""
-    label = INDEX
-    in_experts = {rel[len(EXPERTS_DIR) + 1:]: n for rel, n in sizes.items() if rel.startswith(EXPERTS_DIR + "/")}
-    index = ExpertIndex.from_doc(root / EXPERTS_DIR, doc, in_experts, label)
-    want = RecordLayout.build(args.moe_intermediate_size, args.hidden_size, quant["experts"], quant["group_size"])
+def _container_index(root: Path, doc: Any, args: ModelArgs, quant: dict[str, Any], sizes: dict[str, int], *,
+                     experts_dir: str = EXPERTS_DIR, label: str = INDEX, layers: list[int] | None = None,
+                     dtype: QDType | None = None) -> ExpertIndex:
+    """experts/index.json (or the MTP head's mtp/experts/index.json) read by the one index reader,
+    then held to what the manifest says: the canonical layout of the model's shape and
+    quantization (`dtype`: the MTP head's), its MoE layers (`layers`: the MTP head's expert
+    layers) and experts, one file per MoE layer holding that layer's records."""
+    in_experts = {rel[len(experts_dir) + 1:]: n for rel, n in sizes.items() if rel.startswith(experts_dir + "/")}
+    index = ExpertIndex.from_doc(root / experts_dir, doc, in_experts, label)
+    want = RecordLayout.build(args.moe_intermediate_size, args.hidden_size, dtype or quant["experts"],
+                              quant["group_size"])
     if index.layout != want:
         raise FormatError(f"{label}: record layout does not match the model shape and quantization in {MANIFEST}")
-    if list(index.layers) != args.moe_layer_ids or index.n_experts != args.n_routed_experts:
+    want_layers = args.moe_layer_ids if layers is None else layers
+    if list(index.layers) != want_layers or index.n_experts != args.n_routed_experts:
         raise FormatError(f"{label}: moe_layers/n_experts disagree with the model in {MANIFEST}")
     if list(doc["files"]) != [expert_file_name(li) for li in index.layers]:
         raise FormatError(f"{label}: files {list(doc['files'])[:3]}... are not one per MoE layer")
     for (layer, expert), loc in index:
         if loc.path != expert_file_name(layer):
-            raise FormatError(f"{label}: record layer {layer} expert {expert} ({EXPERTS_DIR}/{loc.path} offset "
+            raise FormatError(f"{label}: record layer {layer} expert {expert} ({experts_dir}/{loc.path} offset "
                               f"{loc.offset}): stored in the file of another layer")
     return index
+
+
+class MtpPart:
+    """The container's multi-token-prediction head (mtp/): dense tensors and expert records."""
+
+    def __init__(self, container: Container, meta: dict[str, Any], sizes: dict[str, int]) -> None:
+        args = container.args
+        m = _keys(meta, MTP_KEYS, MTP_OPTIONAL, f"{MANIFEST}: mtp")
+        if not isinstance(m["layers"], int) or m["layers"] <= 0 or m["dtype"] not in MTP_ALLOWED:
+            raise FormatError(f"{MANIFEST}: mtp: unsupported head {m} (int8, bf16 or f32; never int4)")
+        self.layers: int = m["layers"]
+        self.dtype: QDType = m["dtype"]
+        self.group_size = int(m["group_size"])
+        self.hidden_first = bool(m["hidden_first"])
+        self.quant_error: dict[str, Any] = dict(m.get("quant_error") or {})
+        self.expert_layers = mtp_expert_layers(args, self.layers)
+        files = container.files
+        if MTP_INDEX not in files:
+            raise FormatError(f"{MANIFEST}: files does not list {MTP_INDEX}")
+        quant = {**container.quantization, "group_size": self.group_size}
+        self.index = _container_index(container.path, _load_json(container.path / MTP_INDEX, MTP_INDEX), args,
+                                      quant, sizes, experts_dir=MTP_EXPERTS_DIR, label=MTP_INDEX,
+                                      layers=self.expert_layers, dtype=self.dtype)
+        assert self.index.layout is not None  # checked against the head's
+        self.layout: RecordLayout = self.index.layout
+        for rel in self.index.files:
+            if f"{MTP_EXPERTS_DIR}/{rel}" not in files:
+                raise FormatError(f"{MANIFEST}: files does not list {MTP_EXPERTS_DIR}/{rel}")
+        self.specs = planned_mtp(args, self.layers, self.dtype, self.group_size)
+        self.dense_files: list[DenseFile] = []
+        self._where: dict[str, DenseFile] = {}
+        for rel in sorted(r for r in files if r.startswith(MTP_DIR + "/") and r.endswith(".safetensors")):
+            df = DenseFile(container.path / rel, rel)
+            self.dense_files.append(df)
+            for name in df.specs:
+                if name in self._where:
+                    raise FormatError(f"{rel}: tensor {name!r} also stored in {self._where[name].label}")
+                self._where[name] = df
+        for name, spec in self.specs.items():
+            holder = self._where.get(name)
+            if holder is None:
+                raise FormatError(f"MTP tensor {name!r} is missing from {MTP_DIR}/")
+            if holder.specs[name] != spec:
+                got = holder.specs[name]
+                raise FormatError(f"{holder.label}: tensor {name!r} is {got.dtype}{list(got.shape)}, expected "
+                                  f"{spec.dtype}{list(spec.shape)}")
+        extra = sorted(set(self._where) - set(self.specs))
+        if extra:
+            raise FormatError(f"{self._where[extra[0]].label}: tensor {extra[0]!r} is not part of this MTP head")
+
+    @property
+    def expert_bytes(self) -> int:
+        return len(self.index) * self.layout.record_bytes
+
+    @property
+    def dense_bytes(self) -> int:
+        return sum(sum(int(np.prod(sh)) * (4 if t == "F32" else 2 if t in ("F16", "U16") else 1)
+                       for _, t, sh in spec.entries()) for spec in self.specs.values())
+
+    def dense(self, name: str) -> QTensor:
+        df = self._where.get(name)
+        if df is None:
+            raise FormatError(f"no MTP tensor {name!r}")
+        return df.get(name)
+
+    def close(self) -> None:
+        for df in self.dense_files:
+            df.close()
 
 
 class Container:
@@ -145,6 +221,7 @@ class Container:
                 raise FormatError(f"{MANIFEST}: files does not list {EXPERTS_DIR}/{rel}")
         self._open_dense(sorted(r for r in files if r.startswith(DENSE_DIR + "/") and r.endswith(".safetensors")))
         self._fds: dict[str, int] = {}
+        self.mtp: MtpPart | None = MtpPart(self, m["mtp"], sizes) if "mtp" in m else None
 
     def _open_dense(self, rels: list[str]) -> None:
         self._dense_files: list[DenseFile] = []
@@ -214,31 +291,42 @@ class Container:
         return df
 
     # ---- experts -----------------------------------------------------------------------------
+    def _index_of(self, layer: int) -> ExpertIndex:
+        """The index holding `layer`'s records: the model's, or the MTP head's."""
+        if self.mtp is not None and layer in self.mtp.expert_layers:
+            return self.mtp.index
+        return self.index
+
     def read_expert_bytes(self, layer: int, expert: int, verify: bool = True) -> bytes:
-        loc = self.index.location((layer, expert))
-        fd = self._fds.get(loc.path)
+        """One record (of the model's layers, or of its MTP head's: layers num_layers + k)."""
+        index = self._index_of(layer)
+        loc = index.location((layer, expert))
+        path = index.root / loc.path
+        fd = self._fds.get(str(path))
         if fd is None:
-            fd = self._fds[loc.path] = os.open(self.index.root / loc.path, os.O_RDONLY)
+            fd = self._fds[str(path)] = os.open(path, os.O_RDONLY)
         buf = os.pread(fd, loc.length, loc.offset)
         if len(buf) != loc.length:
-            raise DataCorruption(f"{EXPERTS_DIR}/{loc.path}: short read for layer {layer} expert {expert} at "
+            raise DataCorruption(f"{path}: short read for layer {layer} expert {expert} at "
                                  f"offset {loc.offset}: {len(buf)} of {loc.length} bytes")
         if verify:
             got = xxh3_hex(buf)
             if got != loc.checksum_hex:
-                raise DataCorruption(f"{EXPERTS_DIR}/{loc.path}: checksum mismatch for layer {layer} expert {expert} "
+                raise DataCorruption(f"{path}: checksum mismatch for layer {layer} expert {expert} "
                                      f"at offset {loc.offset} ({loc.length} bytes): expected {loc.checksum_hex}, "
                                      f"got {got}")
         return buf
 
     def read_expert(self, layer: int, expert: int, verify: bool = True) -> ExpertWeights:
         buf = np.frombuffer(self.read_expert_bytes(layer, expert, verify), dtype=np.uint8)
-        return self.layout.parse(buf)
+        mtp = self.mtp is not None and layer in self.mtp.expert_layers
+        return (self.mtp.layout if mtp and self.mtp is not None else self.layout).parse(buf)
 
     def verify(self) -> None:
         """Recheck every expert record and every file against the index and the manifest."""
-        for layer, expert in self.index.records:
-            self.read_expert_bytes(layer, expert, verify=True)
+        for idx in [self.index, *([self.mtp.index] if self.mtp is not None else [])]:
+            for layer, expert in idx.records:
+                self.read_expert_bytes(layer, expert, verify=True)
         for rel, ent in self.files.items():
             got = xxh3_file(self.path / rel)
             if got != ent[CHECKSUM]:
@@ -250,6 +338,8 @@ class Container:
         self._fds.clear()
         for df in self._dense_files:
             df.close()
+        if self.mtp is not None:
+            self.mtp.close()
 
     def __enter__(self) -> Container:
         return self

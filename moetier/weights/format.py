@@ -19,6 +19,9 @@ MANIFEST = "moetier.json"
 INDEX = "experts/index.json"
 DENSE_DIR = "dense"
 EXPERTS_DIR = "experts"
+MTP_DIR = "mtp"  # the multi-token-prediction head: its dense files and mtp/experts/ (own index)
+MTP_EXPERTS_DIR = "mtp/experts"
+MTP_INDEX = "mtp/experts/index.json"
 COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 RECORD_ALIGN = 4096  # records start on and are padded to this boundary (O_DIRECT)
@@ -27,7 +30,9 @@ PART_ALIGN = 64  # each part of a record starts on this boundary inside the reco
 # manifest keys: required and optional
 MANIFEST_KEYS = {"format", "format_version", "model", "quantization", "source", "files", "expert_bytes",
                  "created_by"}
-MANIFEST_OPTIONAL = {"quant_error"}
+MANIFEST_OPTIONAL = {"quant_error", "mtp"}
+MTP_KEYS = {"layers", "dtype", "group_size", "hidden_first"}
+MTP_OPTIONAL = {"quant_error"}
 QUANT_KEYS = {"experts", "dense", "group_size"}
 INDEX_KEYS = {"format_version", "checksum", "layout", "files", "moe_layers", "n_experts", "records", "identity"}
 SAFETENSORS_META_KEY = "moetier"
@@ -35,6 +40,10 @@ SAFETENSORS_META_KEY = "moetier"
 
 def dense_file_name(k: int) -> str:
     return f"{DENSE_DIR}/model-{k:05d}.safetensors"
+
+
+def mtp_dense_file_name(k: int) -> str:
+    return f"{MTP_DIR}/model-{k:05d}.safetensors"
 
 
 def expert_file_name(layer: int) -> str:

@@ -18,6 +18,9 @@ TensorClass = Literal["experts", "dense", "exact"]
 EXPERT_PARTS: tuple[str, ...] = ("gate", "up", "down")
 EXPERTS_ALLOWED: tuple[QDType, ...] = ("int4", "int8", "bf16", "f32")
 DENSE_ALLOWED: tuple[QDType, ...] = ("int8", "int4", "bf16", "f32")
+# The MTP head: int8 by default, never int4 (an int4 head drafts with 0-4% acceptance: the seed's
+# measurement, docs/internals.md "The MTP head")
+MTP_ALLOWED: tuple[QDType, ...] = ("int8", "bf16", "f32")
 
 Shape = tuple[int, ...]
 
@@ -28,63 +31,89 @@ def dense_shapes(args: ModelArgs) -> dict[str, Shape]:
     d = a.hidden_size
     out: dict[str, Shape] = {"embed": (a.vocab_size, d)}
     for i in range(a.num_layers):
-        p = f"layers.{i}"
-        out[f"{p}.attn_norm"] = (d,)
-        if a.attention == "mla":
-            qk = a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
-            if a.q_lora_rank is None:
-                out[f"{p}.attn.wq"] = (qk, d)
-            else:
-                out[f"{p}.attn.wq_a"] = (a.q_lora_rank, d)
-                out[f"{p}.attn.q_a_norm"] = (a.q_lora_rank,)
-                out[f"{p}.attn.wq_b"] = (qk, a.q_lora_rank)
-            out[f"{p}.attn.wkv_a"] = (a.kv_lora_rank + a.qk_rope_head_dim, d)
-            out[f"{p}.attn.kv_a_norm"] = (a.kv_lora_rank,)
-            out[f"{p}.attn.wkv_b"] = (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
-            out[f"{p}.attn.wo"] = (d, a.num_heads * a.v_head_dim)
-            if a.index_topk and a.indexer_layers[i]:
-                assert a.q_lora_rank is not None
-                out[f"{p}.attn.index_wq_b"] = (a.index_n_heads * a.index_head_dim, a.q_lora_rank)
-                out[f"{p}.attn.index_wk"] = (a.index_head_dim, d)
-                out[f"{p}.attn.index_k_norm"] = (a.index_head_dim,)
-                out[f"{p}.attn.index_k_bias"] = (a.index_head_dim,)
-                out[f"{p}.attn.index_weights"] = (a.index_n_heads, d)
-        else:
-            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-            out[f"{p}.attn.wq"] = (q, d)
-            out[f"{p}.attn.wk"] = (kv, d)
-            out[f"{p}.attn.wv"] = (kv, d)
-            out[f"{p}.attn.wo"] = (d, q)
-            if a.qkv_bias:
-                out[f"{p}.attn.bq"] = (q,)
-                out[f"{p}.attn.bk"] = (kv,)
-                out[f"{p}.attn.bv"] = (kv,)
-            if a.qk_norm == "head":
-                out[f"{p}.attn.q_norm"] = (a.head_dim,)
-                out[f"{p}.attn.k_norm"] = (a.head_dim,)
-            elif a.qk_norm == "full":
-                out[f"{p}.attn.q_norm"] = (q,)
-                out[f"{p}.attn.k_norm"] = (kv,)
-        out[f"{p}.ffn_norm"] = (d,)
-        if a.moe_layers[i]:
-            out[f"{p}.moe.router"] = (a.n_routed_experts, d)
-            if a.score_correction_bias:
-                out[f"{p}.moe.router_bias"] = (a.n_routed_experts,)
-            fs = a.shared_intermediate_size
-            if fs:
-                out[f"{p}.moe.shared.w_gate"] = (fs, d)
-                out[f"{p}.moe.shared.w_up"] = (fs, d)
-                out[f"{p}.moe.shared.w_down"] = (d, fs)
-                if a.shared_expert_gate:
-                    out[f"{p}.moe.shared_gate"] = (1, d)
-        else:
-            f = a.intermediate_size
-            out[f"{p}.mlp.w_gate"] = (f, d)
-            out[f"{p}.mlp.w_up"] = (f, d)
-            out[f"{p}.mlp.w_down"] = (d, f)
+        out.update(layer_shapes(a, f"layers.{i}", moe=a.moe_layers[i],
+                                indexer=bool(a.index_topk) and a.indexer_layers[i]))
     out["final_norm"] = (d,)
     if not a.tie_word_embeddings:
         out["lm_head"] = (a.vocab_size, d)
+    return out
+
+
+def layer_shapes(a: ModelArgs, p: str, *, moe: bool, indexer: bool) -> dict[str, Shape]:
+    """The dense tensors of one decoder layer named `p` ("layers.{i}", or "mtp.{k}" for the
+    decoder block of a multi-token-prediction layer)."""
+    d = a.hidden_size
+    out: dict[str, Shape] = {f"{p}.attn_norm": (d,)}
+    if a.attention == "mla":
+        qk = a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+        if a.q_lora_rank is None:
+            out[f"{p}.attn.wq"] = (qk, d)
+        else:
+            out[f"{p}.attn.wq_a"] = (a.q_lora_rank, d)
+            out[f"{p}.attn.q_a_norm"] = (a.q_lora_rank,)
+            out[f"{p}.attn.wq_b"] = (qk, a.q_lora_rank)
+        out[f"{p}.attn.wkv_a"] = (a.kv_lora_rank + a.qk_rope_head_dim, d)
+        out[f"{p}.attn.kv_a_norm"] = (a.kv_lora_rank,)
+        out[f"{p}.attn.wkv_b"] = (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank)
+        out[f"{p}.attn.wo"] = (d, a.num_heads * a.v_head_dim)
+        if indexer:
+            assert a.q_lora_rank is not None
+            out[f"{p}.attn.index_wq_b"] = (a.index_n_heads * a.index_head_dim, a.q_lora_rank)
+            out[f"{p}.attn.index_wk"] = (a.index_head_dim, d)
+            out[f"{p}.attn.index_k_norm"] = (a.index_head_dim,)
+            out[f"{p}.attn.index_k_bias"] = (a.index_head_dim,)
+            out[f"{p}.attn.index_weights"] = (a.index_n_heads, d)
+    else:
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        out[f"{p}.attn.wq"] = (q, d)
+        out[f"{p}.attn.wk"] = (kv, d)
+        out[f"{p}.attn.wv"] = (kv, d)
+        out[f"{p}.attn.wo"] = (d, q)
+        if a.qkv_bias:
+            out[f"{p}.attn.bq"] = (q,)
+            out[f"{p}.attn.bk"] = (kv,)
+            out[f"{p}.attn.bv"] = (kv,)
+        if a.qk_norm == "head":
+            out[f"{p}.attn.q_norm"] = (a.head_dim,)
+            out[f"{p}.attn.k_norm"] = (a.head_dim,)
+        elif a.qk_norm == "full":
+            out[f"{p}.attn.q_norm"] = (q,)
+            out[f"{p}.attn.k_norm"] = (kv,)
+    out[f"{p}.ffn_norm"] = (d,)
+    if moe:
+        out[f"{p}.moe.router"] = (a.n_routed_experts, d)
+        if a.score_correction_bias:
+            out[f"{p}.moe.router_bias"] = (a.n_routed_experts,)
+        fs = a.shared_intermediate_size
+        if fs:
+            out[f"{p}.moe.shared.w_gate"] = (fs, d)
+            out[f"{p}.moe.shared.w_up"] = (fs, d)
+            out[f"{p}.moe.shared.w_down"] = (d, fs)
+            if a.shared_expert_gate:
+                out[f"{p}.moe.shared_gate"] = (1, d)
+    else:
+        f = a.intermediate_size
+        out[f"{p}.mlp.w_gate"] = (f, d)
+        out[f"{p}.mlp.w_up"] = (f, d)
+        out[f"{p}.mlp.w_down"] = (d, f)
+    return out
+
+
+def mtp_shapes(args: ModelArgs, layers: int) -> dict[str, Shape]:
+    """The dense tensors of `layers` multi-token-prediction layers (DeepSeek-V3's MTP modules,
+    transformers' MtpLayer): per depth k, `mtp.{k}.enorm`/`.hnorm` [D] (norms of the token
+    embedding and of the incoming hidden state), `mtp.{k}.eh_proj` [D, 2D] (their concatenation
+    projected), a MoE decoder block under `mtp.{k}.` (with its own indexer in DSA models), and
+    `mtp.{k}.head_norm` [D] before the shared lm_head. Embedding and lm_head are the main model's."""
+    d = args.hidden_size
+    out: dict[str, Shape] = {}
+    for k in range(layers):
+        p = f"mtp.{k}"
+        out[f"{p}.enorm"] = (d,)
+        out[f"{p}.hnorm"] = (d,)
+        out[f"{p}.eh_proj"] = (d, 2 * d)
+        out.update(layer_shapes(args, p, moe=True, indexer=bool(args.index_topk)))
+        out[f"{p}.head_norm"] = (d,)
     return out
 
 

@@ -22,6 +22,9 @@ Canonical names (what the container's dense/ files and the math use):
     layers.{i}.moe.shared.w_gate/.w_up [Fs, D]  .w_down [D, Fs]
     layers.{i}.moe.shared_gate [1, D]
   Routed experts (expert records, not dense tensors): (layer, expert) -> gate/up [I, D], down [D, I]
+  MTP layers (DeepSeek-V3 style, source layers num_layers + k; moetier/weights/schema.mtp_shapes):
+    mtp.{k}.enorm/.hnorm/.head_norm [D]   mtp.{k}.eh_proj [D, 2D]   the decoder block as mtp.{k}.*
+    (attn_norm, attn.*, ffn_norm, moe.*), its routed experts as expert layer num_layers + k
 """
 
 from __future__ import annotations
@@ -112,6 +115,18 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 IGNORED: list[str] = [
     r".*rotary_emb\.inv_freq",
 ]
+# The MTP layers' own tensors (source layer num_layers + k). Their copies of the embedding and the
+# lm_head are ignored: transformers' MtpModel shares the main model's, and so does moetier.
+MTP_ONLY: list[tuple[str, str]] = [
+    (r"model\.layers\.(?P<i>\d+)\.enorm\.weight", "mtp:enorm"),
+    (r"model\.layers\.(?P<i>\d+)\.hnorm\.weight", "mtp:hnorm"),
+    (r"model\.layers\.(?P<i>\d+)\.eh_proj\.weight", "mtp:eh_proj"),
+    (r"model\.layers\.(?P<i>\d+)\.shared_head\.norm\.weight", "mtp:head_norm"),
+    (r"model\.layers\.(?P<i>\d+)\.shared_head\.head\.weight", "mtp:-"),
+    (r"model\.layers\.(?P<i>\d+)\.embed_tokens\.weight", "mtp:-"),
+]
+MTP_SOURCE = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": "eh_proj.weight",
+              "head_norm": "shared_head.norm.weight"}
 
 
 class Adapter:
@@ -123,19 +138,36 @@ class Adapter:
     expert_names: ClassVar[dict[str, str]] = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     expert_prefix: ClassVar[str] = "model.layers.{i}.mlp.experts.{e}.{p}.weight"
 
+    # architectures whose checkpoints may carry MTP layers (num_nextn_predict_layers)
+    has_mtp: ClassVar[bool] = False
+
     def model_args(self, cfg: dict[str, Any]) -> ModelArgs:
         raise NotImplementedError
+
+    def mtp_layers(self, cfg: dict[str, Any]) -> int:
+        """MTP layers the checkpoint's config announces (0 for architectures without them)."""
+        if not self.has_mtp:
+            return 0
+        n = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers"))
+        return int(n or 0)
+
+    def mtp_hidden_first(self, cfg: dict[str, Any]) -> bool:
+        """transformers' mtp_hidden_states_first: eh_proj reads [hidden | embedding]."""
+        return bool(cfg.get("mtp_hidden_states_first", False))
 
     def _compiled(self) -> list[tuple[re.Pattern[str], str]]:
         cache = self.__dict__.get("_re")
         if cache is None:
-            cache = [(re.compile(p), t) for p, t in _LLAMA_COMMON + self.patterns]
+            extra = MTP_ONLY if self.has_mtp else []
+            cache = [(re.compile(p), t) for p, t in _LLAMA_COMMON + self.patterns + extra]
             self.__dict__["_re"] = cache
         return cache
 
-    def target(self, name: str, args: ModelArgs) -> Target | None:
+    def target(self, name: str, args: ModelArgs, mtp_layers: int = 0) -> Target | None:
         """Canonical target of a source tensor; None for tensors the math does not use.
 
+        Layers num_layers .. num_layers + mtp_layers - 1 are MTP layers: their dense tensors map
+        to `mtp.{k}.*` and their experts keep their layer id; layers past those are not served.
         Raises UnknownTensor for a name this architecture does not define.
         """
         for pat in IGNORED:
@@ -147,18 +179,27 @@ class Adapter:
                 continue
             g = m.groupdict()
             layer = int(g["i"]) if g.get("i") is not None else None
-            if layer is not None and layer >= args.num_layers:
-                return None  # multi-token-prediction layers sit past the last layer: not served
+            mtp = layer is not None and layer >= args.num_layers
+            if mtp and (layer is None or layer >= args.num_layers + mtp_layers):
+                return None  # MTP layers the conversion does not keep
+            if tmpl.startswith("mtp:"):
+                if not mtp or layer is None:
+                    raise UnknownTensor(f"tensor {name!r} belongs to an MTP layer, but layer {layer} is not one")
+                leaf = tmpl[4:]
+                return None if leaf == "-" else Dense(f"mtp.{layer - args.num_layers}.{leaf}")
             if tmpl == "expert":
                 assert layer is not None
                 return Expert(layer, int(g["e"]), self._part(g["p"]))
             if tmpl.startswith("fused:"):
                 assert layer is not None
                 return FusedExperts(layer, "gate_up" if tmpl.endswith("gate_up") else "down")
-            return Dense(tmpl.format(**{k: v for k, v in g.items() if v is not None}))
+            canonical = tmpl.format(**{k: v for k, v in g.items() if v is not None})
+            if mtp and layer is not None:
+                canonical = canonical.replace(f"layers.{layer}.", f"mtp.{layer - args.num_layers}.", 1)
+            return Dense(canonical)
         m = _LAYER.match(name)
         if m and int(m.group(1)) >= args.num_layers:
-            return None  # a multi-token-prediction layer's own tensors (enorm, hnorm, eh_proj, shared_head)
+            return None  # a multi-token-prediction layer's tensor this architecture does not serve
         raise UnknownTensor(f"tensor {name!r} is not part of a {self.model_type} checkpoint")
 
     def _part(self, p: str) -> ExpertPart:
@@ -177,6 +218,16 @@ class Adapter:
             if names is not None:
                 return names
         raise KeyError(f"{self.model_type} has no source name for {canonical!r}")
+
+    def mtp_source_name(self, canonical: str, num_layers: int) -> str:
+        """Source-layout name of an MTP tensor `mtp.{k}.*` (layer num_layers + k)."""
+        m = re.fullmatch(r"mtp\.(\d+)\.(.+)", canonical)
+        if m is None:
+            raise KeyError(f"{canonical!r} is not an MTP tensor name")
+        layer, rest = num_layers + int(m.group(1)), m.group(2)
+        if rest in MTP_SOURCE:
+            return f"model.layers.{layer}.{MTP_SOURCE[rest]}"
+        return self.source_name(f"layers.{layer}.{rest}")
 
     def expert_source_name(self, layer: int, expert: int, part: ExpertPart) -> str:
         return self.expert_prefix.format(i=layer, e=expert, p=self.expert_names[part])

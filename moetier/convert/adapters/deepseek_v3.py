@@ -83,6 +83,7 @@ def sigmoid_router(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 class DeepseekV3(Adapter):
+    has_mtp: ClassVar[bool] = True
     model_type: ClassVar[str] = "deepseek_v3"
     patterns: ClassVar[list[tuple[str, str]]] = MLA_ATTENTION + DENSE_MLP + MOE_COMMON
 

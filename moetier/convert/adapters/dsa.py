@@ -101,6 +101,7 @@ def dsa_args(cfg: dict[str, Any], indexer_types: list[str], rope_interleave: boo
 
 
 class DeepseekV32(Adapter):
+    has_mtp: ClassVar[bool] = True
     model_type: ClassVar[str] = "deepseek_v32"
     patterns: ClassVar[list[tuple[str, str]]] = MLA_ATTENTION + INDEXER + DENSE_MLP + MOE_COMMON
 
@@ -110,6 +111,7 @@ class DeepseekV32(Adapter):
 
 
 class GlmMoeDsa(Adapter):
+    has_mtp: ClassVar[bool] = True
     model_type: ClassVar[str] = "glm_moe_dsa"
     patterns: ClassVar[list[tuple[str, str]]] = MLA_ATTENTION + INDEXER + DENSE_MLP + MOE_COMMON
 

@@ -22,6 +22,7 @@ from .deepseek_v3 import sigmoid_router
 
 
 class Glm4Moe(Adapter):
+    has_mtp: ClassVar[bool] = True
     model_type: ClassVar[str] = "glm4_moe"
     patterns: ClassVar[list[tuple[str, str]]] = GQA_ATTENTION + DENSE_MLP + MOE_COMMON
 
