@@ -38,7 +38,8 @@ tokens, see `entry_key`), little endian:
     24  u64       xxh3_64 over the header bytes followed by the payload bytes
     32  H bytes   header: canonical JSON (see `_header`), zero-padded to a multiple of 64
     ..  P bytes   payload: the arrays named in the header, each at its offset (64-aligned),
-                  "tokens" int32 [n] then "layers.{i}.{name}" float32 [n, ...] per layer
+                  "tokens" int32 [n] then "layers.{i}.{name}" float32 [n, ...] per layer (DSA:
+                  also "layers.{i}.index_k" of the indexer layers, listed in the header's "extra")
 
 Version 2 entries hold any number of tokens ("hashes" lists the complete blocks); version 1
 files (whole blocks only, the same layout) are read as they are.
@@ -70,7 +71,7 @@ import xxhash
 
 from moetier.errors import FormatError
 from moetier.model.config import ModelArgs
-from moetier.model.kv_cache import KVCache, cache_layout
+from moetier.model.kv_cache import KVCache, cache_extra, cache_layout
 from moetier.prefix import BLOCK, block_hashes
 
 log = logging.getLogger(__name__)
@@ -165,6 +166,8 @@ class PrefixCache:
         self.directory = directory
         self.budget = int(budget_bytes)
         self.layout = {k: list(v) for k, v in cache_layout(args).items()}
+        # arrays only some layers keep (the DSA indexer keys): {layer: {name: shape}}
+        self.extra = {str(i): {k: list(v) for k, v in lay.items()} for i, lay in cache_extra(args).items()}
         self._lock = threading.RLock()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._index: dict[int, set[int]] = {}  # block hash -> keys of the entries holding that block prefix
@@ -396,6 +399,8 @@ class PrefixCache:
         header = {"format": FORMAT, "version": VERSION, "model_id": self.model_id, "kv_identity": self.identity,
                   "block": BLOCK, "tokens": entry.tokens, "hashes": [f"{h:016x}" for h in entry.hashes],
                   "layout": self.layout, "num_layers": self.args.num_layers, "arrays": specs}
+        if self.extra:
+            header["extra"] = self.extra
         raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
         return raw + b"\0" * (_pad(_PRE.size + len(raw)) - _PRE.size - len(raw)), parts
 
@@ -477,7 +482,8 @@ class PrefixCache:
                               f"{FORMAT!r} version {' or '.join(map(str, READABLE))}")
         if header.get("model_id") != self.model_id or header.get("kv_identity") != self.identity:
             raise _Foreign(f"KV of model {header.get('model_id')!r} ({header.get('kv_identity')!r})")
-        want = {"block": BLOCK, "layout": self.layout, "num_layers": self.args.num_layers}
+        want = {"block": BLOCK, "layout": self.layout, "num_layers": self.args.num_layers,
+                "extra": self.extra or None}
         for k, v in want.items():
             if header.get(k) != v:
                 raise FormatError(f"header {k} is {header.get(k)!r}, this model needs {v!r}")
@@ -574,7 +580,7 @@ class PrefixCache:
         n = int(header["tokens"])
         want = {"tokens": ("<i4", [n])}
         for i in range(self.args.num_layers):
-            for name, shape in self.layout.items():
+            for name, shape in {**self.layout, **self.extra.get(str(i), {})}.items():
                 want[f"layers.{i}.{name}"] = ("<f4", [n, *shape])
         out: Arrays = {}
         for spec in header["arrays"]:

@@ -20,7 +20,8 @@ from moetier.prefix_cache import MAGIC, PrefixCache, entry_key
 MID, IDENTITY = "model-a", "kv-a"
 
 
-@pytest.fixture(scope="module", params=["tiny-deepseek_v3", "tiny-mixtral"])
+# DSA: indexer keys in some layers only (tiny-glm_moe_dsa: full and shared indexer layers)
+@pytest.fixture(scope="module", params=["tiny-deepseek_v3", "tiny-mixtral", "tiny-glm_moe_dsa"])
 def args(request: pytest.FixtureRequest) -> ModelArgs:
     return preset_args(request.param)
 
@@ -31,7 +32,7 @@ def kv_of(args: ModelArgs, ids: list[int], seed: int = 0) -> KVCache:
     cache = KVCache.for_model(args)
     cache.reserve(len(ids))
     for i in range(args.num_layers):
-        for name, shape in cache.layout.items():
+        for name, shape in cache.layer_layout(i).items():
             cache.put(i, name, 0, rng.standard_normal((len(ids), *shape), dtype=np.float32))
     cache.commit(ids)
     return cache
@@ -147,6 +148,11 @@ def test_files_survive_a_restart_bit_for_bit(args: ModelArgs, tmp_path: Path) ->
     header = json.loads(raw[32 : 32 + hlen].rstrip(b"\0"))
     assert header["tokens"] == 70 and header["model_id"] == MID and header["kv_identity"] == IDENTITY
     assert header["hashes"] == [f"{h:016x}" for h in block_hashes(ids, BLOCK, MID)] and header["version"] == 2
+    names = {a["name"] for a in header["arrays"]}
+    indexer = [i for i, full in enumerate(args.indexer_layers) if full]
+    assert {f"layers.{i}.index_k" for i in indexer} <= names  # DSA: the indexer keys persist with the KV
+    assert header.get("extra") == ({str(i): {"index_k": [args.index_head_dim]} for i in indexer} or None)
+    assert sum(a["nbytes"] for a in header["arrays"]) == kv.nbytes + 4 * 70  # the KV (indexer keys too) + ids
     b = PrefixCache(args, MID, IDENTITY, tmp_path, 1 << 30)
     assert b.stats().entries == 1 and b.stats().memory_bytes == 0
     assert set(block_hashes(ids[:64], BLOCK, MID)) == set(b.hashes())

@@ -17,7 +17,8 @@ from moetier.model.sampling import SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["tiny-deepseek_v3", "tiny-qwen3_moe"])
+# tiny-glm_moe_dsa: the DSA indexer keys are part of the cached, persisted KV
+@pytest.fixture(scope="module", params=["tiny-deepseek_v3", "tiny-qwen3_moe", "tiny-glm_moe_dsa"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_container(request.param, tmp_path_factory.mktemp("engine-prefix") / request.param, 0)
 
