@@ -45,14 +45,18 @@ from moetier.kernels.fast import FastOps
 from moetier.model.forward import Model
 from moetier.model.generate import GeneratedToken, generate, teacher_forced_logits
 from moetier.model.kv_cache import KVCache
+from moetier.model.mtp import MtpHead
 from moetier.model.ops import Ops, ReferenceOps
 from moetier.model.sampling import SamplingParams
+from moetier.model.speculative import Drafter
 from moetier.prefix_cache import PrefixCache, kv_identity
 from moetier.settings import Settings, parse_bytes, resolve_budget
+from moetier.speculation import Controller, SpecStats, generate_speculative
 from moetier.store.provider import TieredExperts
 from moetier.store.tier import TierConfig
 from moetier.text.tokenizer import TextTokenizer
 from moetier.weights.container import Container
+from moetier.weights.mapped import MappedExperts
 from moetier.weights.quant import QTensor
 
 log = logging.getLogger(__name__)
@@ -98,24 +102,48 @@ class Generation(Iterator[GeneratedToken]):
             close()
 
 
+def load_mtp(container: Container, model: Model, ops: Ops) -> tuple[MtpHead, MappedExperts] | None:
+    """The container's MTP head on `model` (its dense tensors resident, its experts memory-mapped),
+    or None when it has none."""
+    m = container.mtp
+    if m is None:
+        return None
+    dense = {}
+    for name in m.specs:
+        t = m.dense(name)
+        scales = None if t.scales is None else np.array(t.scales, order="C")
+        dense[name] = QTensor(t.dtype, t.shape, np.array(t.data, order="C"), scales, t.group_size)
+    experts = MappedExperts(container, m.expert_layers, m.layout, ops)
+    return MtpHead(model, m.layers, dense, experts, hidden_first=m.hidden_first), experts
+
+
 class Engine:
     """A container's model in this process: resident dense part, tiered experts, one Model."""
 
     def __init__(self, container: Container, model: Model, experts: TieredExperts,
-                 prefix: PrefixCache | None = None) -> None:
+                 prefix: PrefixCache | None = None, speculative: int = 0, fixed_k: bool = False) -> None:
         self.container = container
         self.model = model
         self.experts = experts
         self.prefix = prefix
         self._tokenizer: TextTokenizer | None = None
+        mtp = load_mtp(container, model, model.ops) if speculative else None
+        self.mtp = mtp[0] if mtp is not None else None
+        self._mtp_experts = mtp[1] if mtp is not None else None
+        a = model.args
+        self.controller = Controller(speculative, moe_layers=len(a.moe_layer_ids), experts=a.n_routed_experts,
+                                     top_k=a.num_experts_per_tok, has_mtp=self.mtp is not None, fixed=fixed_k)
+        self.spec_stats = SpecStats()
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, budget: str | int = "25%", reference: bool = False,
              threads: int | None = None, policy: str = "lru", direct: bool = True, prefix_cache: str | int = 0,
-             prefix_dir: Path | None = None) -> Engine:
+             prefix_dir: Path | None = None, speculative: int = 0, fixed_k: bool = False) -> Engine:
         """Open a container. `budget`: the expert RAM tier, bytes or a share of the expert bytes
         ("25%", "2GiB", or an int). `prefix_cache`: the prefix cache's byte budget (0: none),
-        persisted in `prefix_dir` when given."""
+        persisted in `prefix_dir` when given. `speculative`: most tokens the container's MTP head
+        drafts per step (0: off; moetier.speculation decides how many pay, per step; `fixed_k`: always
+        that many)."""
         container = Container.open(path)
         prefix: PrefixCache | None = None
         try:
@@ -139,7 +167,14 @@ class Engine:
                 prefix.close()
             container.close()
             raise
-        return cls(container, model, experts, prefix)
+        try:
+            return cls(container, model, experts, prefix, speculative, fixed_k)
+        except BaseException:
+            if prefix is not None:
+                prefix.close()
+            experts.close()
+            container.close()
+            raise
 
     # ---- identity and text -----------------------------------------------------------
     @property
@@ -182,11 +217,19 @@ class Engine:
             raise InvalidArgument(f"{len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
                                   f"model's {limit} positions")
         if self.prefix is None:
-            return Generation(generate(self.model, ids, params, chunk_size=chunk_size), len(ids), 0)
+            return Generation(self._tokens(ids, params, None, chunk_size), len(ids), 0)
         cache, n = self.prefix.lookup(ids)
         cache = cache if cache is not None else self.model.new_cache()
-        return Generation(self._remembered(cache, generate(self.model, ids[n:], params, cache, chunk_size)),
-                          len(ids), n)
+        return Generation(self._remembered(cache, self._tokens(ids[n:], params, cache, chunk_size)), len(ids), n)
+
+    def _tokens(self, ids: npt.NDArray[np.int64], params: SamplingParams, cache: KVCache | None,
+                chunk_size: int | None) -> Iterator[GeneratedToken]:
+        if self.mtp is None or self.controller.k_max == 0:
+            return generate(self.model, ids, params, cache, chunk_size)
+        tier = self.experts.tier
+        return generate_speculative(self.model, Drafter(self.mtp), self.controller, ids, params, cache,
+                                    misses=lambda: sum(tier.stats().misses.values()), stats=self.spec_stats,
+                                    chunk_size=chunk_size)
 
     def _remembered(self, cache: KVCache, tokens: Iterator[GeneratedToken]) -> Iterator[GeneratedToken]:
         """`tokens`, then the sequence's KV into the prefix cache (also when the caller stops early:
@@ -208,6 +251,8 @@ class Engine:
     def close(self) -> None:
         if self.prefix is not None:
             self.prefix.close()
+        if self._mtp_experts is not None:
+            self._mtp_experts.close()
         self.experts.close()
         self.container.close()
 

@@ -120,6 +120,9 @@ class InferenceSection(_Section):
     local_lane: bool = Field(True, description="Send ComputeExperts and prefetch hints over the expert store's "
                              "local lane (a unix socket and shared memory) when the store is on this host; off: "
                              "gRPC only.")
+    speculative_tokens: int = Field(3, ge=0, le=8, description="Most tokens the MTP head drafts per sequence "
+                                    "and step (0: no speculative decoding); each step drafts as many as the "
+                                    "measured cost model says pay, possibly none.")
 
 
 class KernelsSection(_Section):

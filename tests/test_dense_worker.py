@@ -78,8 +78,9 @@ def settings_for(model: Path, tmp: Path, **over: Any) -> Settings:
         "router": {"bind": "127.0.0.1:0", "address": "", "metrics_port": 0, "id": "router"},
         "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0, "id": "store-t"},
         "dense_worker": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0, "id": "worker-t"},
+        # speculative decoding off: these tests count steps and rows (tests/test_dense_worker_spec.py has it on)
         "inference": {"max_batch_size": 8, "max_waiting": 64, "prefill_chunk": 16, "expert_timeout_s": 2.0,
-                      "prefix_cache_dir": str(tmp / "prefix")},
+                      "prefix_cache_dir": str(tmp / "prefix"), "speculative_tokens": 0},
         "heartbeat_interval_s": 0.1,
     }
     return load_settings(overrides=_merge(base, over), environ={})

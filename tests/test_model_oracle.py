@@ -69,7 +69,7 @@ def draft_logits(ckpt: Path, prompt: np.ndarray) -> np.ndarray:
     """Our MTP layer 0, teacher-forced as helpers_hf.hf_mtp_reference runs transformers': [T-1, V]."""
     model, head = hf.build_model_and_mtp(ckpt)
     hidden = model.forward([(model.new_cache(), prompt)])[0]  # [T, D] final-normed
-    out = head.step(0, [(head.new_caches()[0], prompt[1:], hidden[:-1])])[0]  # positions 1..T-1
+    out = head.step(0, [(head.new_caches()[0], prompt[1:], hidden[:-1], 1)])[0]  # positions 1..T-1
     return model.head(out)
 
 

@@ -105,7 +105,7 @@ def test_synth_head_drafts_like_a_trained_one(arch: str, tmp_path: Path) -> None
                                                                        ignore_eos=True))]
         seq = np.concatenate([prompt, out])
         hidden = model.forward([(model.new_cache(), seq)])[0]
-        draft = model.head(head.step(0, [(head.new_caches()[0], seq[1:], hidden[:-1])])[0]).argmax(-1)
+        draft = model.head(head.step(0, [(head.new_caches()[0], seq[1:], hidden[:-1], 1)])[0]).argmax(-1)
         # draft row j (position j + 1) predicts seq[j + 2]; count the generated positions
         for p in range(len(prompt) - 1, len(seq) - 1):
             hits += int(draft[p - 1] == seq[p + 1])

@@ -13,9 +13,9 @@ previous depth's output at p - 1 (depth > 0):
     x   = decoder block (attention + MoE) at position p, over this depth's own KV cache
     out = head_norm(x)                             [n, D]  -> logits = lm_head(out): the token at p + 1
 
-Each depth has its own one-layer KVCache (`new_caches`), holding positions k + 1 .. (no hidden
-state precedes position 0): its entry j is position j + k + 1. Rope uses the true positions;
-attention runs in entry space (row j sees entries 0..j), which is the same causal mask.
+Each depth has its own one-layer KVCache (`new_caches`), one entry per position from its first
+(k + 1 at the earliest: no hidden state precedes position 0), in position order. Rope uses the
+true positions; attention runs in entry space (row j sees entries 0..j), the same causal mask.
 
 Drafting `k` tokens with one MTP layer chains it on its own output (depth 0 again, its output
 as the hidden state), as inference engines do when drafting more tokens than the checkpoint has
@@ -107,11 +107,11 @@ class MtpHead:
         """Per sequence: one cache per MTP depth (entry j of depth k is position j + k + 1)."""
         return [mtp_cache(self.args) for _ in self.layers]
 
-    def step(self, depth: int, batch: Sequence[tuple[KVCache, npt.NDArray[np.integer], F32]]) -> list[F32]:
+    def step(self, depth: int, batch: Sequence[tuple[KVCache, npt.NDArray[np.integer], F32, int]]) -> list[F32]:
         """Run MTP depth `depth` on new positions of several sequences, appending them to each
-        one's cache of that depth: per sequence (cache, tokens [n] of the next positions, hidden
-        [n, D] of the positions before them). Returns per sequence the depth's output [n, D]
-        (final-normed: `main.head` gives the draft logits; the next depth reads it as its
+        one's cache of that depth: per sequence (cache, tokens [n] at positions pos0 .. pos0 + n - 1,
+        hidden [n, D] of the positions before them, pos0). Returns per sequence the depth's output
+        [n, D] (final-normed: `main.head` gives the draft logits; the next depth reads it as its
         hidden state). A step that raises leaves the caches unchanged."""
         if not batch:
             return []
@@ -119,7 +119,7 @@ class MtpHead:
         ops, eps = self.ops, self.args.rms_norm_eps
         segments, ids, hid, pos = [], [], [], []
         row = 0
-        for cache, toks, hidden in batch:
+        for cache, toks, hidden, pos0 in batch:
             t = np.asarray(toks, dtype=np.int64).reshape(-1)
             if len(t) == 0 or hidden.shape != (len(t), self.args.hidden_size):
                 raise ValueError(f"MTP step: {len(t)} tokens with hidden states of shape {hidden.shape}")
@@ -130,7 +130,7 @@ class MtpHead:
             segments.append(Segment(cache, slice(row, row + len(t)), entries))
             ids.append(t)
             hid.append(hidden)
-            pos.append(entries + depth + 1)  # true positions
+            pos.append(np.arange(pos0, pos0 + len(t), dtype=np.int64))  # true positions (rope)
             row += len(t)
         cos, sin = self.main.rope.cos_sin(np.concatenate(pos))
         e = ops.rmsnorm(embed_rows(self.main.embed, np.concatenate(ids)), layer.enorm, eps)  # [T, D]

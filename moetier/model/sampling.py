@@ -13,12 +13,14 @@ temperature and truncation: what the model thinks, independent of how it was sam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
 F32 = npt.NDArray[np.float32]
+Probs = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -110,13 +112,22 @@ class Sampler:
         """Pick the next token from logits [V] and remember it. `allowed` [V] (a grammar's
         token mask): only those tokens may be chosen (at least one must be True)."""
         p = self.params
-        penalised = apply_penalties(logits, self.counts, p.presence_penalty, p.frequency_penalty)
-        if allowed is not None:
-            penalised = np.where(allowed, penalised, np.float32(-np.inf)).astype(np.float32)
+        penalised = self._penalised(logits, self.counts, allowed)
         if p.temperature == 0:
             token = greedy_token(penalised)
         else:
             token = sample(logits_to_probs(penalised, p.temperature, p.top_k, p.top_p), self.rng)
+        return self._record(token, logits)
+
+    def _penalised(self, logits: F32, counts: npt.NDArray[np.int64], allowed: npt.NDArray[np.bool_] | None) -> F32:
+        p = self.params
+        penalised = apply_penalties(logits, counts, p.presence_penalty, p.frequency_penalty)
+        if allowed is not None:
+            penalised = np.where(allowed, penalised, np.float32(-np.inf)).astype(np.float32)
+        return penalised
+
+    def _record(self, token: int, logits: F32) -> SampledToken:
+        p = self.params
         self.counts[token] += 1
         self.generated += 1
         if not (p.logprobs or p.top_logprobs):
@@ -124,6 +135,47 @@ class Sampler:
         lp = log_softmax(logits)
         best = np.argsort(-lp, kind="stable")[: p.top_logprobs]
         return SampledToken(token, float(lp[token]), [(int(i), float(lp[i])) for i in best])
+
+    # ---- speculative decoding (moetier/model/speculative.py) ---------------------------
+    def draft(self, logits: F32, drafted: Sequence[int], rng: np.random.Generator,
+              allowed: npt.NDArray[np.bool_] | None = None) -> tuple[int, Probs | None]:
+        """A draft token for the position after `drafted` (this request's earlier drafts of the
+        step), from draft logits [V] processed as `choose` would (penalties counting the drafts
+        too, `allowed` the grammar's mask after them): greedy at temperature 0 (no distribution),
+        else sampled with `rng` from the distribution q returned with it, which `verify` needs."""
+        p = self.params
+        counts = self.counts.copy()
+        for t in drafted:
+            counts[t] += 1
+        penalised = self._penalised(logits, counts, allowed)
+        if p.temperature == 0:
+            return greedy_token(penalised), None
+        q = logits_to_probs(penalised, p.temperature, p.top_k, p.top_p)
+        return sample(q, rng), q
+
+    def verify(self, logits: F32, draft: int, q: Probs | None,
+               allowed: npt.NDArray[np.bool_] | None = None) -> tuple[SampledToken, bool]:
+        """Choose the token at a position a draft was made for, from the target logits [V] (and
+        the grammar's mask `allowed`), and remember it; True when it is the draft (accepted).
+        Temperature 0: the greedy token, so the output is exactly `choose`'s. Otherwise standard
+        speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023): accept with
+        probability min(1, p(d) / q(d)), else draw from max(p - q, 0) renormalised; the token is
+        then distributed as p, the distribution `choose` samples from."""
+        params = self.params
+        penalised = self._penalised(logits, self.counts, allowed)
+        if params.temperature == 0:
+            token = greedy_token(penalised)
+            return self._record(token, logits), token == draft
+        if q is None:
+            raise ValueError("verify at temperature > 0 needs the draft's distribution q")
+        p = logits_to_probs(penalised, params.temperature, params.top_k, params.top_p)
+        u = self.rng.random()
+        if q[draft] > 0 and u * q[draft] < p[draft]:  # u < p(d) / q(d)
+            return self._record(draft, logits), True
+        residual = np.maximum(p - q, 0.0)
+        total = residual.sum()
+        token = sample(residual / total if total > 0 else p, self.rng)
+        return self._record(token, logits), False
 
     def finish_reason(self, token: int) -> str | None:
         """"stop" after a stop/eos token, "length" at max_tokens, else None."""

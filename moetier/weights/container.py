@@ -291,7 +291,7 @@ class Container:
         return df
 
     # ---- experts -----------------------------------------------------------------------------
-    def _index_of(self, layer: int) -> ExpertIndex:
+    def index_of(self, layer: int) -> ExpertIndex:
         """The index holding `layer`'s records: the model's, or the MTP head's."""
         if self.mtp is not None and layer in self.mtp.expert_layers:
             return self.mtp.index
@@ -299,7 +299,7 @@ class Container:
 
     def read_expert_bytes(self, layer: int, expert: int, verify: bool = True) -> bytes:
         """One record (of the model's layers, or of its MTP head's: layers num_layers + k)."""
-        index = self._index_of(layer)
+        index = self.index_of(layer)
         loc = index.location((layer, expert))
         path = index.root / loc.path
         fd = self._fds.get(str(path))

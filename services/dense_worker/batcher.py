@@ -24,6 +24,12 @@ The loop, at every step boundary:
          sequences with a grammar (structured outputs) first get their token masks, all
          in one parallel call, and their matchers advance by the sampled token,
        - stores the KV of every sequence that finished in the prefix cache;
+       - with an MTP head (speculative decoding, moetier/model/speculative.py): a generating
+         sequence's rows are its next token and the drafts made for it; `verify` walks their
+         logits with its Sampler (and grammar matcher), its KV is truncated to what was
+         accepted, and it may emit several tokens. The head then follows every sequence of
+         the step (its teacher-forced rows, one MTP step for all) and drafts for the next
+         step as many tokens per sequence as `moetier.speculation.Controller` finds pay;
   3. streams the tokens to their callers and retires finished sequences.
 A step that fails (expert store down or slow past its deadline) fails the sequences in
 it with that error; the others carry on. The kernels are row-invariant, so neither the
@@ -49,7 +55,9 @@ from moetier.errors import InvalidArgument, ResourceExhausted, Unavailable
 from moetier.model.forward import Model
 from moetier.model.kv_cache import KVCache
 from moetier.model.sampling import SampledToken, Sampler, SamplingParams
+from moetier.model.speculative import Drafter, DraftState, Feed, verify
 from moetier.prefix_cache import PrefixCache
+from moetier.speculation import Controller, Decision, StepCost, may_draft
 from moetier.text.grammar import GrammarCompiler, GrammarMatcher, fill_masks
 from services.dense_worker.metrics import StepReport, WorkerMetrics
 from services.dense_worker.timing import PhaseClock
@@ -120,6 +128,7 @@ class Sequence:
         self.fed = 0  # prompt tokens in the cache
         self.cached = 0  # of those, from the prefix cache
         self.next_token: int | None = None  # sampled, not yet fed
+        self.draft: DraftState | None = None  # the MTP head's state (speculative decoding)
         self.first_step_at: float | None = None
         self.emitted = 0
         self.last_token_at = 0.0
@@ -150,13 +159,19 @@ class _Result:
     timings: StepTimings
     error: BaseException | None = None
     prefetch: tuple[int, int, int] = (0, 0, 0)
+    verified: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per verifying sequence
+    decision: Decision | None = None  # the controller's choice for the next step
+    decoding: set[int] = field(default_factory=set)  # id() of the sequences whose rows were decode rows
 
 
 class Batcher:
     def __init__(self, model: Model, experts: Stepper, prefix: PrefixCache | None, clock: PhaseClock,
                  metrics: WorkerMetrics, limits: Limits, after_step: Callable[[], None] | None = None,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, drafter: Drafter | None = None,
+                 controller: Controller | None = None) -> None:
         self.model = model
+        self.drafter = drafter  # None: no MTP head or speculation off
+        self.controller = controller
         self.grammars = grammars  # None: the model has no tokenizer, structured outputs are refused
         self.experts = experts
         self.prefix = prefix
@@ -325,6 +340,11 @@ class Batcher:
             self.metrics.observe_step(StepReport(rows=t.rows, sequences=len(r.rows), seconds=t.step_s, phases=phases,
                                                  generated=len(r.sampled), predicted=predicted, actual=actual,
                                                  hits=hits))
+            decoding = r.decoding
+            decode_tokens = sum(1 for seq, _, _ in r.sampled if id(seq) in decoding)
+            d = r.decision
+            self.metrics.observe_speculation(r.verified, len(decoding), decode_tokens, None if d is None else d.k,
+                                             None if d is None else d.reason)
 
     # ---- the step (step thread) ----------------------------------------------------------
     def _lookup(self, seq: Sequence) -> tuple[int, int]:
@@ -352,7 +372,8 @@ class Batcher:
                 rows.append((seq, seq.request.prompt[seq.fed : seq.fed + n]))
             else:
                 assert seq.next_token is not None
-                rows.append((seq, np.array([seq.next_token], dtype=np.int64)))
+                drafts = seq.draft.drafts if seq.draft is not None else []
+                rows.append((seq, np.array([seq.next_token, *drafts], dtype=np.int64)))
         return rows
 
     def _step(self, batch: list[Sequence]) -> _Result:
@@ -365,6 +386,9 @@ class Batcher:
             if seq.first_step_at is None:
                 seq.first_step_at = now
         sampled: list[tuple[Sequence, SampledToken, str | None]] = []
+        verified: list[tuple[int, int]] = []
+        decision: Decision | None = None
+        prefill: list[bool] = []
         error: BaseException | None = None
         mask_s = 0.0
         try:
@@ -373,15 +397,25 @@ class Batcher:
             for seq, t in rows:
                 assert seq.cache is not None  # set by _lookup
                 work.append((seq.cache, t))
-            logits = self.model.step(work)
+            starts = [c.length for c, _ in work]  # each sequence's first position this step
+            prefill = [seq.prefilling for seq, _ in rows]  # prompt rows (else: a verify or decode step)
+            misses0 = self._misses()
+            f0 = time.perf_counter()
+            hidden = self.model.forward(work)  # per sequence [n, D], final-normed
+            logits = self._logits(rows, hidden)
+            forward_s = time.perf_counter() - f0
             with self.clock.measure("sampling"):
                 ready = []
-                for (seq, t), lg in zip(rows, logits, strict=True):
+                spec = []
+                for (seq, t), lg, was_prompt in zip(rows, logits, prefill, strict=True):
                     if seq.prefilling:
                         seq.fed += len(t)
                         if seq.prefilling:
                             continue  # a prompt chunk short of the end: its logits choose nothing
-                    ready.append((seq, lg))
+                    if not was_prompt and len(t) > 1:  # x_N and the drafts made for it
+                        spec.append((seq, lg))
+                    else:
+                        ready.append((seq, lg[-1]))
                 m0 = time.perf_counter()
                 masks = self._masks([s for s, _ in ready])
                 mask_s = time.perf_counter() - m0
@@ -398,6 +432,10 @@ class Batcher:
                         reason = "length"
                     seq.next_token = tok.token
                     sampled.append((seq, tok, reason))
+                for seq, lg in spec:
+                    verified.append(self._verify(seq, lg, sampled))
+            decision = (self._draft(rows, hidden, starts, prefill, sampled, forward_s, misses0)
+                        if self.drafter else None)
             if self.prefix is not None:
                 for seq, _, reason in sampled:
                     if reason is not None and seq.cache is not None:
@@ -416,7 +454,101 @@ class Batcher:
         c = self.clock.seconds
         timings = StepTimings(step_s, c["attention"], c["gate"], c["expert"], c["sampling"],
                               sum(len(t) for _, t in rows), mask_s)
-        return _Result(rows, sampled, lookups, timings, error, delta)
+        decoding = {id(seq) for (seq, _), p in zip(rows, prefill, strict=False) if not p}
+        return _Result(rows, sampled, lookups, timings, error, delta, verified, decision, decoding)
+
+    def _logits(self, rows: list[tuple[Sequence, I64]], hidden: list[np.ndarray]) -> list[np.ndarray]:
+        """Per sequence the logits it needs [m, V], in one lm_head call: every row of a verify
+        step, the last row of a prompt chunk that completes its prompt, none otherwise."""
+        want = []
+        for (seq, t), h in zip(rows, hidden, strict=True):
+            if seq.prefilling:
+                done = seq.fed + len(t) >= len(seq.request.prompt)
+                want.append(h[-1:] if done else h[:0])
+            else:
+                want.append(h)
+        flat = self.model.head(np.concatenate(want)) if any(len(w) for w in want) else None
+        out, at = [], 0
+        for w in want:
+            out.append(flat[at : at + len(w)] if flat is not None else np.zeros((0, self.limits.vocab_size), np.float32))
+            at += len(w)
+        return out
+
+    def _verify(self, seq: Sequence, logits: np.ndarray,
+                sampled: list[tuple[Sequence, SampledToken, str | None]]) -> tuple[int, int]:
+        """Verify one sequence's drafts (rows [x_N, d_1..d_k]): its tokens into `sampled`, its KV
+        truncated to the accepted positions. Returns (drafted, accepted)."""
+        assert seq.cache is not None and seq.draft is not None
+        st = seq.draft
+        fed = seq.cache.length - len(logits)  # N: the position of x_N
+        emitted = [0]
+
+        def finish(tok: SampledToken) -> str | None:
+            emitted[0] += 1
+            reason = seq.sampler.finish_reason(tok.token)
+            if reason is None and fed + emitted[0] >= self.limits.max_seq_len:
+                reason = "length"
+            return reason
+
+        v = verify(seq.sampler, logits, st.drafts, st.q, finish, seq.matcher)
+        seq.cache.truncate(fed + v.accepted + 1)
+        for tok, reason in zip(v.tokens, v.reasons, strict=True):
+            sampled.append((seq, tok, reason))
+        seq.next_token = v.tokens[-1].token
+        return len(st.drafts), v.accepted
+
+    def _misses(self) -> int:
+        stats = getattr(self.experts, "stats", None)
+        return int(getattr(stats, "store_misses", 0))
+
+    def _draft(self, rows: list[tuple[Sequence, I64]], hidden: list[np.ndarray], starts: list[int],
+               prefill: list[bool], sampled: list[tuple[Sequence, SampledToken, str | None]], forward_s: float,
+               misses0: int) -> Decision:
+        """The MTP head follows the step's sequences and drafts for the next step; the step's costs
+        go to the controller. Returns its decision."""
+        assert self.drafter is not None and self.controller is not None
+        done = {id(seq) for seq, _, reason in sampled if reason is not None}
+        new_tokens: dict[int, list[int]] = {}
+        for seq, tok, _ in sampled:
+            new_tokens.setdefault(id(seq), []).append(tok.token)
+        generating = sum(1 for s, _ in rows if id(s) not in done and id(s) in new_tokens)
+        prefill_rows = sum(len(t) for (s, t), p in zip(rows, prefill, strict=True) if p and s.prefilling)
+        d = self.controller.decide(generating, prefill_rows)
+        items, matchers = [], []
+        for (seq, t), h, a, was_prompt in zip(rows, hidden, starts, prefill, strict=True):
+            if seq.draft is None:
+                seq.draft = self.drafter.new_state(seq.request.params.seed)
+            feed = None
+            if id(seq) not in done and d.feed:
+                # MTP rows at positions a + 1 .. a + m: the token of each and the hidden state before it
+                prompt = seq.request.prompt
+                if was_prompt:  # every row valid; the token after the last is the prompt's or the sampled one
+                    toks = [int(x) for x in prompt[a + 1 : a + len(t) + 1]]
+                    toks += new_tokens.get(id(seq), [])[: len(t) - len(toks)]
+                else:  # a verify (or decode) step: the positions up to the last accepted draft
+                    toks = new_tokens[id(seq)]
+                feed = Feed(np.asarray(toks, dtype=np.int64), h[: len(toks)], a + 1)
+            k = 0
+            if id(seq) in new_tokens and id(seq) not in done and may_draft(seq.request.params, self.controller):
+                assert seq.cache is not None
+                room = min(seq.request.params.max_tokens - seq.sampler.generated - 1,
+                           self.limits.max_seq_len - seq.cache.length - 1)
+                k = max(0, min(d.k, room))
+            items.append((seq.draft, feed, seq.sampler, k))
+            m = seq.matcher
+            matchers.append(GrammarMatcher(m.raw.deep_copy(), m.vocab_size) if m is not None and k else None)
+        m0 = time.perf_counter()
+        self.drafter.advance(items, matchers)
+        mtp_s = time.perf_counter() - m0 if any(f is not None for _, f, _, _ in items) else 0.0
+        drafts = sum(len(t) - 1 for s, t in rows if not s.prefilling and len(t) > 1)
+        expert_s = self.clock.seconds["expert"]
+        pf = self.model.stats.prefetch
+        self.controller.observe_step(StepCost(
+            rows=sum(len(t) for _, t in rows), sequences=sum(1 for s, t in rows if len(t) > 1 and not s.prefilling),
+            drafts=drafts, dense_s=max(forward_s - expert_s, 0.0), experts_s=expert_s, mtp_s=mtp_s,
+            mtp_steps=max(d.k, 1) if mtp_s else 0, union=pf.actual - self._prefetch_seen[1],
+            misses=self._misses() - misses0))
+        return d
 
     def _masks(self, seqs: list[Sequence]) -> dict[int, np.ndarray]:
         """id(seq) -> [V] allowed tokens, for the sequences with a grammar (one parallel call)."""

@@ -18,14 +18,16 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from moetier.engine import load_dense
+from moetier.engine import load_dense, load_mtp
 from moetier.errors import InvalidArgument, Unavailable
 from moetier.kernels.fast import FastOps, warmup
 from moetier.model.forward import Model
+from moetier.model.speculative import Drafter
 from moetier.prefix import BLOCK
 from moetier.prefix_cache import PrefixCache, kv_identity
 from moetier.profile import profile_threads
 from moetier.settings import Settings, parse_bytes
+from moetier.speculation import Controller
 from moetier.text.grammar import GrammarCompiler
 from moetier.text.tokenizer import TextTokenizer
 from moetier.weights.container import Container
@@ -82,6 +84,12 @@ class WorkerCore:
             self.ops = FastOps(threads=threads if threads is not None else profile_threads(settings))
             self.model = Model(args, load_dense(self.container), self.ops, self.experts)
             instrument(self.model, self.clock)
+            # speculative decoding: the MTP head's dense part resident, its experts memory-mapped here
+            mtp = load_mtp(self.container, self.model, self.ops) if inf.speculative_tokens else None
+            self.mtp_experts = mtp[1] if mtp is not None else None
+            self.controller = Controller(inf.speculative_tokens, moe_layers=len(args.moe_layer_ids),
+                                         experts=args.n_routed_experts, top_k=args.num_experts_per_tok,
+                                         has_mtp=mtp is not None)
             self.prefix = PrefixCache(args, self.model_id,
                                       kv_identity(self.container.files, self.model_id, args),
                                       prefix_dir(settings, self.model_id), parse_bytes(inf.prefix_cache_bytes))
@@ -96,11 +104,14 @@ class WorkerCore:
         self._remote_seen: dict[str, int] = {}
         self.metrics.prefix_rejected.inc(self._prefix_seen.files_rejected)
         self.batcher = Batcher(self.model, self.experts, self.prefix, self.clock, self.metrics, self.limits,
-                               after_step=self.refresh_metrics, grammars=_grammars(settings.model.path, args.vocab_size))
+                               after_step=self.refresh_metrics, grammars=_grammars(settings.model.path, args.vocab_size),
+                               drafter=Drafter(mtp[0]) if mtp is not None else None, controller=self.controller)
         log.info("dense worker %s: %s (%s, %d layers), model %s, expert store %s, %s, batch %d + %d waiting, "
-                 "prefix cache %s", self.worker_id, settings.model.path, args.arch, args.num_layers, self.model_id,
-                 settings.expert_store.address, self.ops, self.limits.max_batch, self.limits.max_waiting,
-                 self.prefix.directory)
+                 "prefix cache %s, speculative decoding %s", self.worker_id, settings.model.path, args.arch,
+                 args.num_layers, self.model_id, settings.expert_store.address, self.ops, self.limits.max_batch,
+                 self.limits.max_waiting, self.prefix.directory,
+                 f"up to {inf.speculative_tokens} drafts per step (MTP head, {mtp[0].depth} layer(s))"
+                 if mtp is not None else "off" if not inf.speculative_tokens else "off (the model has no MTP head)")
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -115,6 +126,8 @@ class WorkerCore:
     async def stop(self) -> None:
         await self.batcher.stop()
         self.prefix.close()
+        if self.mtp_experts is not None:
+            self.mtp_experts.close()
         self.experts.close()
         self.container.close()
 

@@ -36,6 +36,11 @@ phase, finish_reason, reason, outcome, tier.
 | moetier_dense_worker_expert_call_seconds | histogram | | wall time of one ComputeExperts call (one MoE layer of one step) |
 | moetier_dense_worker_store_expert_hits_total | counter | | experts of the calls' unions the store had in RAM |
 | moetier_dense_worker_store_expert_misses_total | counter | | experts of the calls' unions the store read from disk |
+| moetier_dense_worker_spec_drafted_tokens_total | counter | position | MTP drafts verified, by draft position 1..k (a draft is verified only when those before it were accepted) |
+| moetier_dense_worker_spec_accepted_tokens_total | counter | position | of those, accepted; acceptance at position i = accepted / drafted |
+| moetier_dense_worker_spec_forwards_total | counter | | decode forwards of a sequence (one per generating sequence per step, drafts or not) |
+| moetier_dense_worker_spec_emitted_tokens_total | counter | | tokens those forwards produced; tokens per forward = emitted / forwards |
+| moetier_dense_worker_spec_steps_total | counter | mode, reason | steps by what the controller chose for the next: mode on (drafting) or off, reason (off): disabled, no_mtp, cost, measuring, none |
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ from services.dense_worker.timing import PHASES
 
 FINISH_REASONS = ("stop", "length", "cancelled", "failed")
 REJECT_REASONS = ("queue_full", "invalid")
+SPEC_OFF_REASONS = ("disabled", "no_mtp", "cost", "measuring")
+SPEC_POSITIONS = 8  # drafts per step at most (inference.speculative_tokens <= 8)
 _STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -116,7 +123,21 @@ class WorkerMetrics:
                                   registry=r)
         self.store_misses = Counter(p + "store_expert_misses", "Experts of the calls' unions read from disk.",
                                     registry=r)
+        self.spec_drafted = Counter(p + "spec_drafted_tokens", "MTP drafts verified, by draft position.",
+                                    ["position"], registry=r)
+        self.spec_accepted = Counter(p + "spec_accepted_tokens", "MTP drafts accepted, by draft position.",
+                                     ["position"], registry=r)
+        self.spec_forwards = Counter(p + "spec_forwards", "Decode forwards of a sequence.", registry=r)
+        self.spec_emitted = Counter(p + "spec_emitted_tokens", "Tokens the decode forwards produced.", registry=r)
+        self.spec_steps = Counter(p + "spec_steps", "Steps by the controller's choice for the next.",
+                                  ["mode", "reason"], registry=r)
         # Every label value exists from the start, so rates and dashboards see zeros, not gaps.
+        for i in range(1, SPEC_POSITIONS + 1):
+            self.spec_drafted.labels(position=str(i))
+            self.spec_accepted.labels(position=str(i))
+        self.spec_steps.labels(mode="on", reason="none")
+        for reason in SPEC_OFF_REASONS:
+            self.spec_steps.labels(mode="off", reason=reason)
         for phase in PHASES:
             self.phase_time.labels(phase=phase)
         for reason in FINISH_REASONS:
@@ -137,6 +158,23 @@ class WorkerMetrics:
         self.waiting.set_function(waiting)
         self.kv_bytes.set_function(kv_bytes)
         self.max_batch.set(max_batch)
+
+    def observe_speculation(self, verified: list[tuple[int, int]], forwards: int, emitted: int,
+                            k: int | None, reason: str | None) -> None:
+        """One step: (drafted, accepted) of each verifying sequence, its decode forwards and the
+        tokens they emitted, and the controller's choice for the next step (k None: no decision)."""
+        for drafted, accepted in verified:
+            for i in range(1, min(drafted, accepted + 1, SPEC_POSITIONS) + 1):
+                self.spec_drafted.labels(position=str(i)).inc()
+                if i <= accepted:
+                    self.spec_accepted.labels(position=str(i)).inc()
+        self.spec_forwards.inc(forwards)
+        self.spec_emitted.inc(emitted)
+        if k is not None:
+            if k > 0:
+                self.spec_steps.labels(mode="on", reason="none").inc()
+            elif reason in SPEC_OFF_REASONS:
+                self.spec_steps.labels(mode="off", reason=reason).inc()
 
     def observe_step(self, s: StepReport) -> None:
         self.steps.inc()
