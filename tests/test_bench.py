@@ -167,3 +167,28 @@ def test_process_wait_sums_its_threads() -> None:
     before = process_wait_s(os.getpid())
     assert before >= 0 and process_wait_s(os.getpid()) >= before  # monotonic over the live threads
     assert process_wait_s(2**22 + 1) == 0.0  # no such process: nothing waited
+
+
+@needs_fio
+def test_bench_spec_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_json(capsys, ["bench", "spec", "--json", "--model", str(tiny), "--budgets", "100%,25%", "--tokens", "5",
+                          "--prompt-tokens", "6", "--requests", "2", "--rounds", "2", "--k", "2", "--fio-records", "4"])
+    assert r["k"] == 2 and set(r["budgets"]) == {"100%", "25%"}
+    for b in r["budgets"].values():
+        assert b["tokens_match"] is True  # temperature 0: drafts never change a token
+        assert set(b["modes"]) == {"off", "auto", "fixed"}
+        off, fixed = b["modes"]["off"], b["modes"]["fixed"]
+        assert off["tokens_per_forward"] == 1 and off["acceptance"] is None
+        assert fixed["acceptance"] is not None and len(fixed["acceptance_by_position"]) == 2
+        assert fixed["steps_by_k"].get("2", 0) > 0  # fixed k drafts k whenever there is room
+        for m in b["modes"].values():
+            assert len(m["tok_s"]) == 2 and m["bound_s"] > 0 and m["memory_bound_s"] > 0
+
+
+def test_bench_spec_refuses_a_model_without_mtp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from moetier.convert.synth import write_container
+
+    path = tmp_path / "nomtp"
+    write_container(TINY, path, 0, mtp=None)
+    assert main(["bench", "spec", "--model", str(path)]) == 1
+    assert "has no MTP head" in capsys.readouterr().err

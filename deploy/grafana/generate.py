@@ -271,6 +271,21 @@ def serving() -> dict[str, Any]:
         Panel("Router requests / s by outcome", [(rate(RT + "requests_total", "outcome"), "{{outcome}}")],
               unit="reqps", stack=True, width=8),
         Panel("Router queue time", lat(RT + "queue_time_seconds"), unit="s", width=8),
+        Row("Speculative decoding (MTP drafts)"),
+        Panel("Draft acceptance by position",
+              [(ratio(rate(DW + "spec_accepted_tokens_total", "position"),
+                      rate(DW + "spec_drafted_tokens_total", "position")), "position {{position}}"),
+               (ratio(rate(DW + "spec_accepted_tokens_total"), rate(DW + "spec_drafted_tokens_total")), "all")],
+              unit="percentunit", min=0, max=1, width=8,
+              description="Share of the MTP head's drafts the main model accepted, per draft position (a draft "
+                          "is verified only when the ones before it were accepted)."),
+        Panel("Tokens per forward", [(ratio(rate(DW + "spec_emitted_tokens_total"), rate(DW + "spec_forwards_total")),
+                                      "tokens per decode forward")], min=1, width=8,
+              description="Tokens a generating sequence gets per step: 1 without drafts, up to k + 1 with k."),
+        Panel("Steps by drafting choice", [(rate(DW + "spec_steps_total", "mode, reason"), "{{mode}} {{reason}}")],
+              unit="ops", stack=True, width=8,
+              description="What the cost-model controller chose for the next step: drafting on, or off and why "
+                          "(cost: the widened expert union does not pay; measuring; disabled; no_mtp)."),
     ])
 
 
