@@ -22,8 +22,9 @@ kept >= 0):
     mtp(k)          = k s                           s seconds per MTP step (1 + (k - 1) chained)
     tokens(k)       = S (1 + sum_{i<=k} prod_{j<=i} a_j)   a_j: acceptance at draft position j
     k*              = argmax_k tokens(k) / (dense(R0 + k S) + experts(U(k), M(k)) + mtp(k))
-Before it has seen both settings, and every PROBE_EVERY steps while off, it tries k = 1, so
-its figures stay measured rather than assumed.
+Before it has seen both settings it alternates k = 0 and 1; after, every PROBE_EVERY steps at
+a k* below k_max it tries k* + 1 (k = 1 while off), so the acceptance of later draft positions
+and the cost of wider steps stay measured rather than assumed.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from moetier.model.speculative import Drafter, Feed, verify
 F32 = npt.NDArray[np.float32]
 
 WINDOW = 64  # steps the cost fit looks back over
-PROBE_EVERY = 32  # steps between probes (k = 1) while the cost model keeps drafting off
+PROBE_EVERY = 32  # steps between probes of k* + 1 while the cost model keeps k* below k_max
 MIN_STEPS = 6  # steps of each kind (with and without drafts) before the model decides
 PRIOR_ACCEPTANCE = 0.5  # per draft position, before any draft was verified
 ACCEPT_DECAY = 0.98  # weight of the past in the acceptance averages
@@ -138,13 +139,15 @@ class Controller:
         fit = self.fit()
         rates = {k: fit.tokens_per_s(k, decode_rows, other_rows) for k in range(self.k_max + 1)}
         best = max(rates, key=lambda k: (rates[k], -k))
-        if best == 0:
+        if best < self.k_max:
+            # probe one draft more now and then: the acceptance of a position never drafted stays
+            # at its prior, and the cost of wider steps unmeasured, unless it is tried
             self._since_probe += 1
             if self._since_probe >= PROBE_EVERY:
                 self._since_probe = 0
-                return self._set(Decision(1, None, rates))
+                return self._set(Decision(best + 1, None, rates))
+        if best == 0:
             return self._set(Decision(0, "cost", rates))
-        self._since_probe = 0
         return self._set(Decision(best, None, rates))
 
     def _set(self, d: Decision) -> Decision:

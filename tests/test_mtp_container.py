@@ -36,6 +36,10 @@ def test_int4_mtp_is_refused_with_its_reason(tmp_path: Path, capsys: pytest.Capt
     assert "int4 MTP head drafts with 0-4% acceptance" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "c" / "moetier.json").exists()
     assert main(["synth", "--preset", "tiny-deepseek_v3", "--out", str(tmp_path / "s"), "--mtp", "int4"]) != 0
+    assert not (tmp_path / "s").exists()
+    capsys.readouterr()
+    assert main(["synth", "--preset", "glm-5", "--mtp", "int4"]) != 0  # nor printed as a shape it would not write
+    assert "int4 MTP head drafts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mtp", ["bf16", "f32", "none"])

@@ -211,6 +211,27 @@ def test_controller_turns_drafting_off_when_misses_make_it_a_loss() -> None:
             assert 0 < sum(ks) < 5
 
 
+def test_controller_probes_more_drafts_and_climbs_to_what_pays() -> None:
+    """A head whose drafts are always accepted, on a machine where each draft row costs 0.4x a
+    plain step: at the prior acceptance (0.5) of the positions it never drafted, k = 1 pays best;
+    at their true acceptance, k_max does. The controller starts from k = 1 (all it measured),
+    probes k + 1 now and then, and ends at k_max once the later positions are measured."""
+    c = Controller(3, moe_layers=10, experts=64, top_k=4)
+    chosen = []
+    for _ in range(200):
+        d = c.decide(1, 0)
+        chosen.append(d.k)
+        rows = 1 + d.k
+        union = 10 * min(64, 4 + 3 * d.k)
+        c.observe_step(cost(rows, d.k, union, 0, experts_s=0.002 + 3.3e-4 * union))
+        if d.k:
+            c.observe_verify(d.k, d.k)
+    first = chosen.index(2)  # the first probe of a second draft, after a stretch at k = 1
+    assert 2 not in chosen[:first] and chosen[first - 10 : first] == [1] * 10, chosen
+    assert chosen[-20:] == [3] * 20, chosen
+    assert c.drafted[2] > 0 and c.acceptance[2] == 1.0
+
+
 def test_controller_reasons() -> None:
     assert Controller(0, moe_layers=1, experts=8, top_k=2).decide(1, 0).reason == "disabled"
     assert Controller(3, moe_layers=1, experts=8, top_k=2, has_mtp=False).decide(1, 0).reason == "no_mtp"

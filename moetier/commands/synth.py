@@ -18,6 +18,11 @@ def _run(args: argparse.Namespace) -> int:
             print(f"{name:<18} {d['arch']:<12} {d['layers']:>3} layers  {d['experts']:>3} experts top-{d['top_k']:<2}"
                   f" {d['expert_bytes_int4'] / 1e9:>8.2f} GB int4 experts{shape_only}")
         return 0
+    if args.mtp == "int4" and args.format == "container":  # the shape printout too: it is not what we write
+        from moetier.convert.converter import MTP_INT4_REFUSED
+        from moetier.errors import InvalidArgument
+
+        raise InvalidArgument(MTP_INT4_REFUSED)
     if args.preset and not args.out:
         print(synth.format_shape(synth.shape_report(args.preset, args.experts, args.dense, args.group_size,
                                                     args.mtp)))
@@ -32,11 +37,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.format == "hf":
         synth.write_hf_checkpoint(args.preset, out, args.seed, dtype=args.hf_dtype)
     else:
-        if args.mtp == "int4":
-            from moetier.convert.converter import MTP_INT4_REFUSED
-            from moetier.errors import InvalidArgument
-
-            raise InvalidArgument(MTP_INT4_REFUSED)
         synth.write_container(args.preset, out, args.seed, args.experts, args.dense, args.group_size,
                               progress=True, mtp=None if args.mtp == "none" else args.mtp)
     print(f"wrote {args.format} checkpoint of preset {args.preset} (seed {args.seed}) to {out}")
