@@ -149,8 +149,10 @@ class Traffic:
         with httpx.Client(base_url=self.url, timeout=60) as client:
             while not self._stop.is_set():
                 topic = topics[(worker * 3 + n) % len(topics)]
-                body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.8, "seed": n,
+                body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0.8,
                         "messages": [{"role": "user", "content": f"Tell me about {topic}, part {n}."}]}
+                if n % 2 == 0:  # seeded; the others unseeded, which speculative decoding drafts for
+                    body["seed"] = n
                 n += 1
                 try:
                     r = client.post("/v1/chat/completions", json=body)
