@@ -38,7 +38,7 @@ from moetier.weights.quant import ExpertWeights, QTensor, quantize
 from moetier.weights.schema import dense_shapes, expert_shapes
 
 ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm_moe_dsa",
-         "deepseek_v32")
+         "deepseek_v32", "minimax_m2")
 DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")
 SYNTH_MODULE = "moetier.convert.synth"
 HELPER_GENERATOR = "tests/helpers_hf.py"
@@ -52,8 +52,10 @@ _COMMON: dict[str, Any] = {
 # groups (V3), no q_lora and max-per-group greedy (V2), partial rotary + qk norm + qkv bias
 # (GLM), explicit head_dim and a dense layer (Qwen3), shared expert gate (Qwen2), clip_qkv +
 # full-width qk norm + tied embeddings (OLMoE), an index_topk under the prompt length with a
-# shared-indexer schedule given as a pattern, explicit mlp_layer_types (GLM-5) and yarn with
-# groups and index heads of another width (DeepSeek-V3.2).
+# shared-indexer schedule given as a pattern, explicit mlp_layer_types (GLM-5), yarn with
+# groups and index heads of another width (DeepSeek-V3.2), and partial rotary given as the
+# released checkpoints' legacy `rotary_dim` (a quarter of the head) with per-layer q/k norm and
+# a sigmoid router with its correction bias (MiniMax-M2).
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "deepseek_v3": {
         "model_type": "deepseek_v3", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -123,6 +125,12 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                             "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8,
                             "beta_fast": 32, "beta_slow": 1},
+    },
+    "minimax_m2": {
+        "model_type": "minimax_m2", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "intermediate_size": 32, "num_local_experts": 16, "num_experts_per_tok": 4,
+        "rms_norm_eps": 1e-6, "router_jitter_noise": 0.0, "rotary_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0},
     },
     "olmoe": {
         "model_type": "olmoe", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,

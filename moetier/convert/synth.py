@@ -74,6 +74,7 @@ _ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 
 
@@ -170,6 +171,11 @@ def _tiny() -> dict[str, Preset]:
                              moe_i=32, inter=128, heads=4, q_lora=32, kv_lora=32, nope=16, rope=8, v=16,
                              vocab=TINY_VOCAB, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                              rope_parameters=yarn, index_topk=12, index_n_heads=16, index_head_dim=32),
+        # whole-projection q/k norm, a quarter of each head rotated (as MiniMax-M2's 64 of 128: half)
+        "minimax_m2": _config("minimax_m2", **gqa, num_hidden_layers=2, num_local_experts=8, intermediate_size=32,
+                              rms_norm_eps=1e-6, router_jitter_noise=0.0,
+                              rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
+                                               "partial_rotary_factor": 0.5}),
     }
     return {f"tiny-{k}": Preset(f"tiny-{k}", f"test-sized {k}", v, TINY_VOCAB, tags=("tiny",)) for k, v in cfgs.items()}
 
