@@ -311,7 +311,10 @@ def prepare(args: argparse.Namespace, fio: str) -> Setup:
 
     model = models.resolve_model(args)
     overrides: dict[str, Any] = {"model": {"path": str(model), "expert_cache": args.budget},
-                                 "inference": {"prefix_cache_bytes": "0", "local_lane": not args.no_local_lane}}
+                                 # speculation off: the engine beside it decodes without drafts (bench spec
+                                 # measures drafting)
+                                 "inference": {"prefix_cache_bytes": "0", "local_lane": not args.no_local_lane,
+                                               "speculative_tokens": 0}}
     if args.policy:
         overrides["cache"] = {"policy": args.policy}
     settings = load_settings(args.config, overrides=overrides)
