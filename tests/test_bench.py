@@ -133,7 +133,10 @@ def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
             assert p["touched_mb_per_token"]["min"] > 0
             assert p["cpu_busy"]["min"] >= 0  # CPU seconds / (decode seconds x CPUs), in clock ticks
             assert p["machine_busy"]["min"] >= 0 and p["cpu_wait"]["min"] >= 0
-            assert p["cpu_s_per_token"]["min"] > 0  # a decode step computes
+            assert p["cpu_s_per_token"]["min"] >= 0
+    # CPU time is read in clock ticks (10 ms): three tokens of the tiny model may take under a tick
+    # in one phase of one round, never in all of them -- a decode step computes.
+    assert max(r[k][ph]["cpu_s_per_token"]["max"] for k in ("engine", "cluster") for ph in ("cold", "warm")) > 0
     hops = r["cluster"]["warm"]["hops"]
     assert set(hops) == {"worker_step_s", "store_s", "store_load_s", "call_s", "rpc_hop_s", "rpc_hop_per_call_s",
                          "calls_per_token", "stream_hop_s"}
