@@ -308,39 +308,29 @@ class Converter:
                                       and args.tie_word_embeddings):
                     self._advance(info.nbytes, bar)
                     continue
-                if isinstance(target, Dense) and target.name.startswith("mtp."):
-                    want = self.mtp_want.get(target.name)
-                    if want is None:
-                        raise ConversionError(f"{where} ({target.name}) is not part of this {args.arch} MTP head")
-                    _check_shape(where, info.shape, want)
-                    if target.name in seen_dense:
-                        raise ConversionError(f"{where}: {target.name} appears twice in the checkpoint")
-                    seen_dense.add(target.name)
-                    x = load_f32(mf, info, shard.name)
-                    spec = w.mtp_specs[target.name]
-                    q = quantize(x, spec.dtype, opts.group_size)
-                    mtp_q[target.name] = q
-                    if spec.dtype != "f32":
-                        measure(stats, "mtp", x, q, opts.group_size)
-                elif isinstance(target, Dense):
-                    want = self.dense_want.get(target.name)
-                    if want is None and 0 in info.shape:
+                if isinstance(target, Dense):
+                    mtp = target.name.startswith("mtp.")
+                    wants, specs, out, kind, whole = (
+                        (self.mtp_want, w.mtp_specs, mtp_q, "mtp", "MTP head") if mtp
+                        else (self.dense_want, w.dense_specs, dense_q, "dense", "model shape"))
+                    want = wants.get(target.name)
+                    if want is None and not mtp and 0 in info.shape:
                         # an empty tensor the shape does not use (transformers builds a zero-width
                         # shared expert for n_shared_experts = 0): nothing to convert
                         self._advance(info.nbytes, bar)
                         continue
                     if want is None:
-                        raise ConversionError(f"{where} ({target.name}) is not part of this {args.arch} model shape")
+                        raise ConversionError(f"{where} ({target.name}) is not part of this {args.arch} {whole}")
                     _check_shape(where, info.shape, want)
                     if target.name in seen_dense:
                         raise ConversionError(f"{where}: {target.name} appears twice in the checkpoint")
                     seen_dense.add(target.name)
                     x = load_f32(mf, info, shard.name)
-                    spec = w.dense_specs[target.name]
+                    spec = specs[target.name]
                     q = quantize(x, spec.dtype, opts.group_size)
-                    dense_q[target.name] = q
+                    out[target.name] = q
                     if spec.dtype != "f32":
-                        measure(stats, "dense", x, q, opts.group_size)
+                        measure(stats, kind, x, q, opts.group_size)
                 else:
                     for li, e, part, x in self._expert_parts(target, info, mf, shard.name, where):
                         key = (li, e, part)
