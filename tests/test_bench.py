@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from moetier.bench import models
@@ -99,7 +100,12 @@ def test_bench_cache_records_model_traces_once(tiny: Path, capsys: pytest.Captur
     argv = ["bench", "cache", "--json", "--model", str(tiny), "--prompt-tokens", "24", "--tokens", "8",
             "--steps", "30", "--layers", "3", "--experts", "16", "--top-k", "2", "--batch", "2"]
     r = run_json(capsys, argv)
-    assert [t["name"] for t in r["traces"]] == [TINY, "zipf", "temporal"]
+    assert [t["name"] for t in r["traces"]] == [TINY, f"{TINY} decode", "zipf", "temporal"]
+    full, dec = r["traces"][:2]
+    # the decode steps alone: one token's top-k per layer, without the prompt's prefill steps
+    assert 0 < dec["steps"] < full["steps"] and dec["mean_union"] < full["mean_union"]
+    assert dec["accesses"] == dec["steps"] * dec["layers"] * dec["mean_union"]
+    assert min(dec["capacity"]) <= min(full["capacity"])
     assert r["ratio_trace"] == TINY and 0 < r["ratio"] <= 1 and r["ratio_policy"] in ("lru", "lfu", "learned")
     assert isinstance(r["learned_ge_lru"], bool)
     for t in r["traces"]:
@@ -195,3 +201,17 @@ def test_bench_spec_refuses_a_model_without_mtp(tmp_path: Path, capsys: pytest.C
     write_container(TINY, path, 0, mtp=None)
     assert main(["bench", "spec", "--model", str(path)]) == 1
     assert "has no MTP head" in capsys.readouterr().err
+
+
+def test_bench_cache_decode_only_drops_prefill_steps() -> None:
+    from moetier.bench.cache import decode_only
+
+    def ids(*e: int) -> np.ndarray:
+        return np.array(e, dtype=np.int32)
+
+    prefill = [(1, ids(0, 1, 2, 3, 1)), (2, ids(4, 5, 6))]
+    decode = [[(1, ids(3, 1)), (2, ids(6, 2))], [(1, ids(0, 2)), (2, ids(5, 7))]]
+    mixed = [(1, ids(0, 1)), (2, ids(0, 1, 2))]  # one layer with a batch union: not a decode step
+    got = decode_only([prefill, decode[0], mixed, decode[1]])
+    assert [[(la, i.tolist()) for la, i in s] for s in got] == [[(la, i.tolist()) for la, i in s] for s in decode]
+    assert decode_only([]) == []

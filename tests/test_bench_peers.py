@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from moetier.bench.peers.systems import LlamaCpp, MoetierInProcess, MoetierUp
 from moetier.cli import main
 from moetier.convert import synth
 from moetier.engine import Engine
+from moetier.errors import Unavailable
 from moetier.model.sampling import SamplingParams
 from moetier.settings import load_settings
 
@@ -275,6 +277,50 @@ def test_client_counts_tokens_and_reads_the_counters(tiny: Path, tmp_path: Path)
         assert t.ttft_s > 0 and t.text == _greedy_text(tiny, "The expert store", 6)
     finally:
         s.stop()
+
+
+def _sse_server(chunks: list[dict[str, object]]) -> tuple[str, Callable[[], None]]:
+    """A server answering POST /v1/completions with these chunks, streamed."""
+    import http.server
+    import threading
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for c in chunks:
+                self.wfile.write(f"data: {json.dumps(c)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{srv.server_address[1]}", srv.shutdown
+
+
+def test_client_times_a_token_without_text_by_its_finish() -> None:
+    """A 1-token completion whose token is part of a character streams no text: its TTFT is
+    the finishing chunk's arrival; a stream with no choice at all is still an error."""
+    def counters() -> Counters:
+        return Counters(time.perf_counter(), 0.0, 0)
+
+    url, stop = _sse_server([{"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}])
+    try:
+        t = complete(url, "m", "a prompt", 1, counters, usage=False)
+        assert t.tokens == 0 and t.text == "" and t.finish_reason == "length"
+        assert t.ttft_s > 0 and t.decode_tok_s is None
+    finally:
+        stop()
+    url, stop = _sse_server([])
+    try:
+        with pytest.raises(Unavailable, match="streamed no text"):
+            complete(url, "m", "a prompt", 1, counters, usage=False)
+    finally:
+        stop()
 
 
 # ---- with the peer built ----------------------------------------------------------------------

@@ -19,6 +19,12 @@ Traces:
     `temporal` (plus per-sequence topics, expert reuse between consecutive tokens,
     sequence churn).
 
+Each recorded trace is also replayed as its decode steps alone (`<model> decode`):
+prefill steps route a whole chunk of prompt tokens at once, and on a small model
+that batch union is every expert of a layer, which raises every cache size to the
+whole layer. The decode steps are those whose every layer routes exactly the
+trace's smallest union (batch 1: the top-k of one token).
+
 `learned+history` is the learned policy after a restart: its usage history comes
 from a previous run of other traffic on the same model (recorded traces: another
 shipped text; synthetic traces: another seed). The headline `ratio` is best
@@ -96,7 +102,13 @@ def run(args: argparse.Namespace) -> int:
             dirs.append(models.benchmark_model(models.BENCHMARK_PRESET, settings))
             bench_model = dirs[-1].name
         for d in dirs:
-            traces.append(_recorded(Path(d), args.prompt_tokens, args.tokens))
+            rec = _recorded(Path(d), args.prompt_tokens, args.tokens)
+            traces.append(rec)
+            dec = decode_only(rec["trace"])
+            if 0 < len(dec) < len(rec["trace"]):
+                hist = decode_only(rec["history_from"])
+                traces.append({**rec, "name": f"{rec['name']} decode", "trace": dec, "history_from": hist or None,
+                               "source": f"{rec['source']}; its {len(dec)} decode steps alone"})
     if not args.no_synthetic:
         for name, gen in (("zipf", zipf_trace), ("temporal", temporal_trace)):
             traces.append({"name": name, "kind": "synthetic", "trace": gen(spec, args.seed + 1, args.seed),
@@ -122,6 +134,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(out)
     return 0
+
+
+def decode_only(trace: Trace) -> Trace:
+    """The steps whose every layer routes exactly the trace's smallest union: a batch-1
+    recording's decode steps (one token: its top-k), without the prefill steps."""
+    sizes = [np.unique(ids).size for step in trace for _, ids in step]
+    if not sizes:
+        return []
+    k = min(sizes)
+    return [step for step in trace if step and all(np.unique(ids).size == k for _, ids in step)]
 
 
 def _recorded(model: Path, prompt_tokens: int, tokens: int) -> dict[str, Any]:

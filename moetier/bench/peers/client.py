@@ -6,6 +6,9 @@ CPU time and disk bytes between the first and the last token (decode) and over t
 request. Decode counts one token per streamed chunk that carries text, for every system
 (both servers stream a chunk per token; a stop token adds no text and is not counted); the
 usage the server reports (moetier: stream_options.include_usage) is kept beside it.
+A completion whose tokens decode to no text (one token of a multi-byte character, as
+the 1-token prefill requests of a model with random weights can give) times its first
+token by the chunk that finishes it: the server sends it as soon as that token is made.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, counters: Calla
     pieces: list[str] = []
     first: Counters | None = None
     last: Counters | None = None
+    finished: Counters | None = None  # the chunk with the finish_reason
     usage_tokens: int | None = None
     start = counters()
     with httpx.Client(timeout=timeout_s) as client, client.stream("POST", f"{url}/v1/completions",
@@ -82,17 +86,20 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, counters: Calla
                 usage_tokens = int(chunk["usage"]["completion_tokens"])
             for choice in chunk.get("choices") or []:
                 text = choice.get("text") or ""
+                if text:
+                    now = counters()
+                    if first is None:
+                        first = now
+                    last = now
+                    out.chunks.append(now.t)
+                    pieces.append(text)
                 if choice.get("finish_reason"):
                     out.finish_reason = choice["finish_reason"]
-                if not text:
-                    continue
-                now = counters()
-                if first is None:
-                    first = now
-                last = now
-                out.chunks.append(now.t)
-                pieces.append(text)
+                    if first is None and finished is None:
+                        finished = counters()
     end = counters()
+    if first is None and finished is not None:  # tokens without text: timed by their finish
+        first = last = finished
     if first is None or last is None:
         raise Unavailable(f"{url}: the completion streamed no text (finish_reason {out.finish_reason})")
     out.text = "".join(pieces)
