@@ -214,7 +214,10 @@ def _print(out: dict[str, Any]) -> None:
         for p, v in r["hit_rate"].items():
             print(f"{p if p != 'belady' else 'belady (MIN)':<16}" + "".join(f"{x:>9.3f}" for x in v))
         print(f"{'learned - lru':<16}" + "".join(f"{x:>+9.3f}" for x in r["learned_minus_lru"]))
-        print(f"best at 10%: {r['best_at_10']}, {r['best_over_belady_10']:.3f} of Belady")
+        if r["hit_rate"]["belady"][SIZES.index(0.10)] > 0:
+            print(f"best at 10%: {r['best_at_10']}, {r['best_over_belady_10']:.3f} of Belady")
+        else:  # the cache holds one layer's union: every layer evicts the one before
+            print("best at 10%: none, no policy can hit (Belady 0)")
     print(f"\nlearned >= lru at every size on every trace: {'yes' if out['learned_ge_lru'] else 'NO'}")
     print(f"ratio = best policy ({out['ratio_policy']}) / Belady at 10% on {out['ratio_trace']}: {out['ratio']:.3f}"
           f"   ({out['seconds']:.0f} s)")
