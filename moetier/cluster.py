@@ -41,15 +41,20 @@ class MemberAgent:
                  metrics_address: str = "", model_id: str = "",
                  owned: Sequence[tuple[int, int, int]] = (), load: LoadFn | None = None,
                  heartbeat_interval_s: float = 1.0, rpc_timeout_s: float = 2.0,
-                 backoff_s: tuple[float, float] = (0.05, 2.0)) -> None:
-        """`owned`: (layer, first, last) expert ranges of a store (empty: all). `load`: what
-        a dense worker reports with each heartbeat. The interval is the router's once it
-        has answered a Register; `heartbeat_interval_s` is used until then."""
+                 backoff_s: tuple[float, float] = (0.05, 2.0), read_bandwidth: float = 0.0,
+                 drain_on_stop: bool = False) -> None:
+        """`owned`: (layer, first, last) expert ranges of a store (empty: all), `read_bandwidth`
+        its measured bytes/s. `load`: what a dense worker reports with each heartbeat. The
+        interval is the router's once it has answered a Register; `heartbeat_interval_s` is
+        used until then. drain_on_stop: `stop()` tells the router first (a draining
+        heartbeat), so the member leaves its tables at once instead of expiring."""
         self.router_address = router_address
         self.member_id = member_id
         self._register_req = router_pb2.RegisterRequest(
             kind=_KIND_PB[kind], member_id=member_id, address=address, metrics_address=metrics_address,
-            model_id=model_id, owned=[router_pb2.ExpertRange(layer=l_, first=f, last=e) for l_, f, e in owned])
+            model_id=model_id, owned=[router_pb2.ExpertRange(layer=l_, first=f, last=e) for l_, f, e in owned],
+            read_bandwidth=read_bandwidth)
+        self._drain_on_stop = drain_on_stop
         self._load = load
         self.heartbeat_interval_s = heartbeat_interval_s
         self._rpc_timeout_s = rpc_timeout_s
@@ -60,13 +65,15 @@ class MemberAgent:
 
     @classmethod
     def from_settings(cls, settings: Settings, kind: Kind, *, model_id: str = "",
-                      owned: Sequence[tuple[int, int, int]] = (), load: LoadFn | None = None) -> MemberAgent:
+                      owned: Sequence[tuple[int, int, int]] = (), load: LoadFn | None = None,
+                      read_bandwidth: float = 0.0, drain_on_stop: bool = False) -> MemberAgent:
         ep = settings.dense_worker if kind == "dense_worker" else settings.expert_store
         host = ep.address.rsplit(":", 1)[0]
         return cls(settings.router.address, kind, ep.id, ep.address,
                    metrics_address=f"{host}:{ep.metrics_port}" if ep.metrics_port else "",
                    model_id=model_id, owned=owned, load=load,
-                   heartbeat_interval_s=settings.heartbeat_interval_s)
+                   heartbeat_interval_s=settings.heartbeat_interval_s, read_bandwidth=read_bandwidth,
+                   drain_on_stop=drain_on_stop)
 
     def start(self) -> None:
         if self._task is None:
@@ -78,6 +85,21 @@ class MemberAgent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+            if self._drain_on_stop and self.registered.is_set():
+                await self._drain()
+
+    async def _drain(self) -> None:
+        """Best effort, one short call: a router that does not answer expires the member instead."""
+        self.registered.clear()
+        try:
+            async with grpc.aio.insecure_channel(self.router_address) as channel:
+                await router_pb2_grpc.RouterStub(channel).Heartbeat(
+                    router_pb2.HeartbeatRequest(member_id=self.member_id, draining=True),
+                    timeout=min(self._rpc_timeout_s, 1.0))
+            log.info("%s drained from router %s", self.member_id, self.router_address)
+        except grpc.aio.AioRpcError as e:
+            log.info("%s: router %s did not take the drain (%s); it expires the member", self.member_id,
+                     self.router_address, e.code().name)
 
     async def run(self) -> None:
         """Register, heartbeat, re-register, retry: until cancelled."""

@@ -91,6 +91,9 @@ class StorageSection(_Section):
                                 "container's experts/ files; reads spread across copies.")
     mirror_weights: list[float] = Field(default_factory=list, description="Read weights of primary + "
                                         "mirrors; empty: measured by a start-up bandwidth probe.")
+    owned_experts: str = Field("all", description="The experts this store serves (its shard): `all`, or "
+                               "comma-separated `LAYERS[:EXPERTS]` items, each a number or an inclusive range, e.g. "
+                               "`1-9` or `1-19:0-31`. Layer files absent from the model directory are left out too.")
 
 
 class CacheSection(_Section):
@@ -117,6 +120,10 @@ class InferenceSection(_Section):
     prefix_cache_dir: Path | None = Field(None, description="Prefix cache directory; default "
                                           "data_dir/prefix-cache/<model id>.")
     expert_timeout_s: float = Field(30.0, gt=0, description="Deadline of each ComputeExperts call.")
+    expert_placement: Literal["store", "router"] = Field(
+        "store", description="Where a dense worker sends ComputeExperts: store (the one store at "
+        "expert_store.address) or router (the stores of the router's placement map: experts sharded over several "
+        "stores, one call per store owning part of a layer's union, combined in a fixed order).")
     local_lane: bool = Field(True, description="Send ComputeExperts and prefetch hints over the expert store's "
                              "local lane (a unix socket and shared memory) when the store is on this host; off: "
                              "gRPC only.")

@@ -63,8 +63,9 @@ class ComputeJob:
     """One call under way: its inputs, its waves, the first wave's lease once pinned."""
 
     def __init__(self, layer: int, x: F32, ids: I32, weights: F32, waves: list[list[int]],
-                 lease: Lease, pin_ns: int) -> None:
+                 lease: Lease, pin_ns: int, slot_outputs: bool = False) -> None:
         self.layer, self.x, self.ids, self.weights, self.waves = layer, x, ids, weights, waves
+        self.slot_outputs = slot_outputs
         self.lease: Lease | None = lease  # the first wave's, until `finish` takes it
         self.pin_ns = pin_ns
 
@@ -86,22 +87,26 @@ class TierCompute:
         self.stats = ComputeStats()
         self._lock = threading.Lock()
 
-    def run(self, layer: int, x: F32, ids: I32, weights: F32) -> ComputeResult:
-        """x [T, D], ids/weights [T, K] -> the layer's routed experts [T, D], here and now."""
-        job = self.start(layer, x, ids, weights, block=True)
+    def run(self, layer: int, x: F32, ids: I32, weights: F32, *, slot_outputs: bool = False) -> ComputeResult:
+        """x [T, D], ids/weights [T, K] -> the layer's routed experts [T, D], here and now.
+        slot_outputs: ids may hold -1 (a slot computed elsewhere: a sharded placement); the
+        output is then [N, D], the unweighted output of every slot with an id >= 0 in row-major
+        (t, k) order, for the caller to place in its [T, K, D] buffer and combine itself."""
+        job = self.start(layer, x, ids, weights, block=True, slot_outputs=slot_outputs)
         assert job is not None
         return self.finish(job)
 
-    def start(self, layer: int, x: F32, ids: I32, weights: F32, *, block: bool) -> ComputeJob | None:
+    def start(self, layer: int, x: F32, ids: I32, weights: F32, *, block: bool,
+              slot_outputs: bool = False) -> ComputeJob | None:
         """Cut the union into waves and pin the first (its reads queued). With block=False, None
         when the budget has no room now (other computes hold it): `run` or `start(block=True)` on
         a thread that may wait then."""
         t0 = time.perf_counter_ns()
-        waves = self.tier.waves(layer, ids)
+        waves = self.tier.waves(layer, ids[ids >= 0] if slot_outputs else ids)
         lease = self.tier.begin(layer, waves[0], block=block)
         if lease is None:
             return None
-        return ComputeJob(layer, x, ids, weights, waves, lease, time.perf_counter_ns() - t0)
+        return ComputeJob(layer, x, ids, weights, waves, lease, time.perf_counter_ns() - t0, slot_outputs)
 
     def finish(self, job: ComputeJob) -> ComputeResult:
         """Compute every wave of `job` (each expert as soon as it is usable), then combine.
@@ -132,7 +137,8 @@ class TierCompute:
         finally:
             job.abandon()  # a job that failed before its first wave still holds that lease
         t0 = time.perf_counter_ns()
-        y = combine_slots(slots, job.weights)  # [T, D]
+        # [N, D] the computed slots, uncombined (the caller sums every store's in k order), or [T, D]
+        y = slots[ids >= 0] if job.slot_outputs else combine_slots(slots, job.weights)
         compute_ns += time.perf_counter_ns() - t0
         with self._lock:
             s = self.stats

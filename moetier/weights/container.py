@@ -72,6 +72,11 @@ def _load_json(path: Path, label: str) -> Any:
         raise FormatError(f"{label}: not valid JSON ({e})"[:300]) from e
 
 
+def _is_expert_file(rel: str) -> bool:
+    p = PurePosixPath(rel)
+    return len(p.parts) == 2 and p.parts[0] == EXPERTS_DIR and p.suffix == ".bin"
+
+
 def within(root: Path, path: Path) -> bool:
     """Whether `path`, its symlinks followed, stays inside `root` (a path from a file must not
     lead out of the directory it was read from)."""
@@ -177,8 +182,11 @@ class MtpPart:
 class Container:
     """An opened, validated container directory."""
 
-    def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
+    def __init__(self, path: Path, manifest: dict[str, Any], partial_experts: bool = False) -> None:
         self.path = path
+        # Expert files (names in experts/) absent from this directory: a shard of the model's
+        # experts (an expert store given some layers' files). Only with partial_experts.
+        self.absent_experts: set[str] = set()
         self.manifest = manifest
         m = manifest
         try:
@@ -204,7 +212,10 @@ class Container:
             try:
                 size = (path / rel).stat().st_size
             except FileNotFoundError:
-                raise FormatError(f"{rel}: listed in {MANIFEST} but missing") from None
+                if not (partial_experts and _is_expert_file(rel)):
+                    raise FormatError(f"{rel}: listed in {MANIFEST} but missing") from None
+                self.absent_experts.add(rel[len(EXPERTS_DIR) + 1:])
+                size = ent["size"]  # its records are not served (see `absent_experts`)
             if size != ent["size"]:
                 raise FormatError(f"{rel}: {size} bytes, {MANIFEST} says {ent['size']} (truncated or replaced?)")
             sizes[rel] = size
@@ -248,7 +259,9 @@ class Container:
 
     # ---- opening -----------------------------------------------------------------------------
     @classmethod
-    def open(cls, path: str | os.PathLike[str], verify: bool = False) -> Container:
+    def open(cls, path: str | os.PathLike[str], verify: bool = False, *, partial_experts: bool = False) -> Container:
+        """partial_experts: the directory may lack some experts/*.bin files (an expert store's
+        shard); they are listed in `absent_experts` and their records must not be read."""
         root = Path(path)
         if not root.is_dir():
             raise FormatError(f"{root}: not a directory")
@@ -260,7 +273,7 @@ class Container:
         if m["format_version"] != FORMAT_VERSION:
             raise FormatError(f"{MANIFEST}: format_version {m['format_version']!r} unsupported "
                               f"(this moetier reads {FORMAT_VERSION})")
-        c = cls(root, m)
+        c = cls(root, m, partial_experts)
         if verify:
             c.verify()
         return c

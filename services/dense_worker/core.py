@@ -34,6 +34,7 @@ from moetier.weights.container import Container
 from services.dense_worker.batcher import Batcher, Limits, Request, Sequence
 from services.dense_worker.metrics import WorkerMetrics
 from services.dense_worker.remote import RemoteExperts
+from services.dense_worker.sharded import ShardedExperts
 from services.dense_worker.timing import PhaseClock, instrument
 
 log = logging.getLogger(__name__)
@@ -73,14 +74,20 @@ class WorkerCore:
         self.settings = settings
         self.worker_id = settings.dense_worker.id
         inf = settings.inference
-        self.container = Container.open(settings.model.path)
+        self.container = Container.open(settings.model.path, partial_experts=True)  # reads no expert file
         try:
             args = self.container.args
             self.model_id = self.container.index.identity
             self.clock = PhaseClock()
-            self.experts = RemoteExperts(settings.expert_store.address, self.model_id,
-                                         timeout_s=inf.expert_timeout_s, clock=self.clock,
-                                         hidden_size=args.hidden_size, local_lane=inf.local_lane)
+            self.experts: RemoteExperts | ShardedExperts
+            if inf.expert_placement == "router":  # experts sharded over the stores of the router's map
+                self.experts = ShardedExperts(settings.router.address, self.model_id, timeout_s=inf.expert_timeout_s,
+                                              clock=self.clock, hidden_size=args.hidden_size,
+                                              local_lane=inf.local_lane, refresh_s=settings.heartbeat_interval_s)
+            else:
+                self.experts = RemoteExperts(settings.expert_store.address, self.model_id,
+                                             timeout_s=inf.expert_timeout_s, clock=self.clock,
+                                             hidden_size=args.hidden_size, local_lane=inf.local_lane)
             self.ops = FastOps(threads=threads if threads is not None else profile_threads(settings))
             self.model = Model(args, load_dense(self.container), self.ops, self.experts)
             instrument(self.model, self.clock)
@@ -108,7 +115,8 @@ class WorkerCore:
                                drafter=Drafter(mtp[0]) if mtp is not None else None, controller=self.controller)
         log.info("dense worker %s: %s (%s, %d layers), model %s, expert store %s, %s, batch %d + %d waiting, "
                  "prefix cache %s, speculative decoding %s", self.worker_id, settings.model.path, args.arch,
-                 args.num_layers, self.model_id, settings.expert_store.address, self.ops, self.limits.max_batch,
+                 args.num_layers, self.model_id, settings.expert_store.address
+                 if inf.expert_placement == "store" else f"placement map of router {settings.router.address}", self.ops, self.limits.max_batch,
                  self.limits.max_waiting, self.prefix.directory,
                  f"up to {inf.speculative_tokens} drafts per step (MTP head, {mtp[0].depth} layer(s))"
                  if mtp is not None else "off" if not inf.speculative_tokens else "off (the model has no MTP head)")

@@ -92,8 +92,8 @@ class _Call:
     """A ComputeExperts call under way on the caller thread (`RemoteExperts.moe_start`)."""
 
     def __init__(self, owner: RemoteExperts, layer: int, x: F32,
-                 future: Future[expert_store_pb2.ComputeExpertsResponse]) -> None:
-        self.owner, self.layer, self.x, self.future = owner, layer, x, future
+                 future: Future[expert_store_pb2.ComputeExpertsResponse], rows: int) -> None:
+        self.owner, self.layer, self.x, self.future, self.rows = owner, layer, x, future, rows
 
     def result(self) -> F32:
         t0 = time.perf_counter()
@@ -102,7 +102,7 @@ class _Call:
         finally:
             if self.owner.clock is not None:
                 self.owner.clock.add("expert", time.perf_counter() - t0)
-        return self.owner._output(self.layer, self.x, resp)
+        return self.owner._output(self.layer, self.x, resp, rows=self.rows)
 
     def abandon(self) -> None:
         self.future.cancel()  # a call already made runs to its end (or deadline) and is dropped
@@ -113,15 +113,16 @@ class _LaneCall:
     lane's lock from the send until the answer (one call at a time per lane)."""
 
     def __init__(self, owner: RemoteExperts, lane: LocalClient, layer: int, x: F32,
-                 req: expert_store_pb2.ComputeExpertsRequest, sent: float) -> None:
+                 req: expert_store_pb2.ComputeExpertsRequest, sent: float, rows: int, timeout_s: float) -> None:
         self.owner, self.lane, self.layer, self.x, self.req, self.sent = owner, lane, layer, x, req, sent
+        self.rows, self.timeout_s = rows, timeout_s
         self._open = True
 
     def result(self) -> F32:
         owner = self.owner
         t0 = time.perf_counter()
         try:
-            resp, out = self.lane.receive(self.req, owner.timeout_s)
+            resp, out = self.lane.receive(self.req, self.timeout_s)
         except MoetierError:
             owner.stats.failed_calls += 1
             if self.lane.closed:
@@ -134,7 +135,7 @@ class _LaneCall:
                 owner.clock.add("expert", now - t0)
             owner.stats.call_s += now - self.sent
             owner.call_seconds.append(now - self.sent)
-        return owner._output(self.layer, self.x, resp, out)
+        return owner._output(self.layer, self.x, resp, out, rows=self.rows)
 
     def abandon(self) -> None:
         """Nobody will read the answer: the lane is dropped (answers come in order)."""
@@ -146,6 +147,11 @@ class _LaneCall:
         if self._open:
             self._open = False
             self.lane.lock.release()
+
+
+def _rows(ids: I32, x: F32, slot_outputs: bool) -> int:
+    """Rows of a call's answer: x's, or with slot_outputs the slots it computes."""
+    return int((ids >= 0).sum()) if slot_outputs else len(x)
 
 
 class RemoteExperts:
@@ -192,21 +198,29 @@ class RemoteExperts:
                 self.clock.add("expert", time.perf_counter() - t0)
         return self._output(layer, x, resp)
 
-    def moe_start(self, layer: int, x: F32, ids: I32, weights: F32) -> _Call | _LaneCall:
+    def moe_start(self, layer: int, x: F32, ids: I32, weights: F32, *, slot_outputs: bool = False,
+                  timeout_s: float | None = None) -> _Call | _LaneCall:
         """`moe` under way: the call is made by the caller thread while the step thread goes on
         (the shared expert); `result()` waits for it. The step clock's "expert" phase counts the
-        wait only. On the local lane the call is sent here and nothing else is needed."""
-        lane_call = self._lane_start(layer, x, ids, weights)
+        wait only. On the local lane the call is sent here and nothing else is needed.
+        slot_outputs: ids of -1 are another store's slots, and `result()` is [N, D], the output
+        of each slot this store computed (see ComputeExpertsRequest.slot_outputs). timeout_s:
+        this call's deadline (default `self.timeout_s`)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        lane_call = self._lane_start(layer, x, ids, weights, slot_outputs, timeout)
         if lane_call is not None:
             return lane_call
         req = self._request(layer, x, ids, weights)
+        if slot_outputs:
+            req.slot_outputs = True
         with self._lock:
             if self._caller is None:
                 self._caller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dense-worker-experts")
             caller = self._caller
-        return _Call(self, layer, x, caller.submit(self._call, layer, req))
+        return _Call(self, layer, x, caller.submit(self._call, layer, req, timeout), _rows(ids, x, slot_outputs))
 
-    def _lane_start(self, layer: int, x: F32, ids: I32, weights: F32) -> _LaneCall | None:
+    def _lane_start(self, layer: int, x: F32, ids: I32, weights: F32, slot_outputs: bool = False,
+                    timeout_s: float | None = None) -> _LaneCall | None:
         """The call sent on the local lane; None where there is none (or its region is too small
         for these tensors): the caller uses gRPC."""
         if not self._checked and self.local_lane:
@@ -218,6 +232,8 @@ class RemoteExperts:
         if lane is None:
             return None
         req = expert_store_pb2.ComputeExpertsRequest(layer=layer, step=self.step)
+        if slot_outputs:
+            req.slot_outputs = True
         lane.lock.acquire()
         try:
             sent = time.perf_counter()
@@ -231,7 +247,8 @@ class RemoteExperts:
             self.stats.failed_calls += 1
             self._lane_failed(lane)
             raise
-        return _LaneCall(self, lane, layer, x, req, sent)
+        return _LaneCall(self, lane, layer, x, req, sent, _rows(ids, x, slot_outputs),
+                         self.timeout_s if timeout_s is None else timeout_s)
 
     def _lane_failed(self, lane: LocalClient) -> None:
         """The lane broke: drop it and the channel, so the next call checks the store again."""
@@ -246,12 +263,13 @@ class RemoteExperts:
             expert_ids=to_pb(np.ascontiguousarray(ids, dtype=np.int32)),
             weights=to_pb(np.ascontiguousarray(weights, dtype=np.float32)), step=self.step)
 
-    def _call(self, layer: int, req: expert_store_pb2.ComputeExpertsRequest) -> expert_store_pb2.ComputeExpertsResponse:
+    def _call(self, layer: int, req: expert_store_pb2.ComputeExpertsRequest,
+              timeout_s: float | None = None) -> expert_store_pb2.ComputeExpertsResponse:
         """The blocking ComputeExperts round trip (on the step thread, or the caller thread)."""
         t0 = time.perf_counter()
         try:
             stub = self._ready()
-            return stub.ComputeExperts(req, timeout=self.timeout_s)
+            return stub.ComputeExperts(req, timeout=self.timeout_s if timeout_s is None else timeout_s)
         except grpc.RpcError as e:
             self._failed(e)
             raise from_rpc_error(e, f"expert store {self.address}: ComputeExperts of layer {layer}") from None
@@ -264,18 +282,20 @@ class RemoteExperts:
             self.call_seconds.append(dt)
 
     def _output(self, layer: int, x: F32, resp: expert_store_pb2.ComputeExpertsResponse,
-                out: F32 | None = None) -> F32:
-        """The answer checked (`out`: its output, already read from the local lane's region)."""
+                out: F32 | None = None, rows: int | None = None) -> F32:
+        """The answer checked (`out`: its output, already read from the local lane's region;
+        `rows`: the rows it must have, default x's)."""
         try:
             if out is None:
                 out = from_pb(resp.output, "ComputeExperts output", "float32", 2)
         except InvalidArgument as e:
             self.stats.failed_calls += 1
             raise Unavailable(f"expert store {self.address}: malformed answer for layer {layer}: {e}") from None
-        if out.shape != x.shape:
+        want = (len(x) if rows is None else rows, x.shape[1])
+        if out.shape != want:
             self.stats.failed_calls += 1
             raise Unavailable(f"expert store {self.address}: ComputeExperts of layer {layer} returned "
-                              f"{list(out.shape)} for {list(x.shape)} rows")
+                              f"{list(out.shape)}, expected {list(want)}")
         self.stats.calls += 1
         self.stats.rows += len(x)
         self.stats.store_hits += resp.hits

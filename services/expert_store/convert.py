@@ -34,8 +34,8 @@ def _check_layer(layer: int, shape: ModelShape) -> None:
                               f"{', '.join(str(x) for x in shape.moe_layers)})")
 
 
-def _check_ids(ids: np.ndarray, shape: ModelShape, what: str) -> None:
-    bad = (ids < 0) | (ids >= shape.n_experts)
+def _check_ids(ids: np.ndarray, shape: ModelShape, what: str, unset_ok: bool = False) -> None:
+    bad = (ids < (-1 if unset_ok else 0)) | (ids >= shape.n_experts)
     if bad.any():
         at = tuple(int(i) for i in np.argwhere(bad)[0])
         raise InvalidArgument(f"{what}: expert id {int(ids[at])} at {list(at)} is outside [0, {shape.n_experts})")
@@ -60,13 +60,16 @@ def compute_from_pb(req: pb.ComputeExpertsRequest, shape: ModelShape, region: mm
                               f"must have the same shape [T, K]")
     if ids.shape[1] < 1:
         raise InvalidArgument("expert_ids: K = 0 experts per row (need at least 1)")
-    _check_ids(ids, shape, "expert_ids")
+    slots = req.HasField("slot_outputs") and req.slot_outputs
+    _check_ids(ids, shape, "expert_ids", unset_ok=slots)
+    if slots and not (ids >= 0).any():
+        raise InvalidArgument("expert_ids: every slot is -1 (slot_outputs needs at least one expert to compute)")
     for name, a in (("hidden", hidden), ("weights", weights)):
         if not np.isfinite(a).all():
             at = [int(i) for i in np.argwhere(~np.isfinite(a))[0]]
             raise InvalidArgument(f"{name}: non-finite value {a[tuple(at)]} at {at}")
     return ComputeBatch(layer=req.layer, hidden=hidden, ids=ids, weights=weights,
-                        step=req.step if req.HasField("step") else None)
+                        step=req.step if req.HasField("step") else None, slot_outputs=slots)
 
 
 def compute_to_pb(r: ComputeResult, with_output: bool = True) -> pb.ComputeExpertsResponse:
@@ -99,6 +102,8 @@ def info_to_pb(info: StoreInfo, lane: LocalServer | None = None) -> pb.InfoRespo
         model_id=s.model_id, arch=s.arch, hidden_size=s.hidden_size, moe_layers=list(s.moe_layers),
         n_experts=s.n_experts, top_k=s.top_k, record_bytes=s.record_bytes, budget_bytes=info.budget_bytes,
         policy=info.policy, expert_dtype=s.expert_dtype, store_id=info.store_id,
+        owned=[pb.OwnedRange(layer=r.layer, first=r.first, last=r.last) for r in info.owned],
+        read_bandwidth=info.read_bandwidth,
         disks=[pb.DiskInfo(name=d.name, path=d.path, state=_disk_state(d.state, d.files), weight=d.weight,
                            files=d.files) for d in info.disks])
 

@@ -36,13 +36,15 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from moetier.errors import InvalidArgument
+from moetier.errors import InvalidArgument, NotFound
 from moetier.kernels.fast import FastOps, default_threads, warmup
+from moetier.placement import ExpertRange, parse_owned, to_ranges
 from moetier.settings import Settings
 from moetier.store.compute import ComputeJob, ComputeResult, TierCompute
 from moetier.store.stats import HEAT_PINNED, HEAT_RAM, DiskStats, TierStats
 from moetier.store.tier import ExpertTier, tier_config
 from moetier.weights.container import Container
+from moetier.weights.index import ExpertIndex, ExpertKey
 from moetier.weights.quant import ExpertWeights, QDType, quantize
 from services.expert_store.metrics import StoreMetrics
 
@@ -71,9 +73,10 @@ class ModelShape:
 class ComputeBatch:
     layer: int
     hidden: F32  # [T, D]
-    ids: I32  # [T, K], each in [0, E)
+    ids: I32  # [T, K], each in [0, E); -1 (a slot another store computes) only with slot_outputs
     weights: F32  # [T, K]
     step: int | None = None
+    slot_outputs: bool = False  # answer each computed slot's own output [N, D], uncombined
 
 
 @dataclass
@@ -97,13 +100,16 @@ class StoreInfo:
     policy: str
     disks: list[DiskStats]
     store_id: str
+    owned: list[ExpertRange]  # the experts this store holds (its shard)
+    read_bandwidth: float  # bytes/s of its copies together, as last probed (0: not yet)
 
 
 @dataclass
 class StoreHeat:
     layers: tuple[int, ...]
     counts: npt.NDArray[np.uint32]  # [L, E] (row, slot) pairs routed to each expert since start
-    tier: npt.NDArray[np.uint8]  # [L, E] 0 = RAM, 1 + d = only on disk d (the copy a read would use)
+    tier: npt.NDArray[np.uint8]  # [L, E] 0 = RAM, 1 + d = only on disk d (the copy a read would use),
+    #                             NOT_HELD = not in this store's shard
     recent: npt.NDArray[np.uint8]  # [L, E] 1 = routed in the layer's latest ComputeExperts
     disks: list[str]
     resident_bytes: int
@@ -119,6 +125,23 @@ class StoreHeat:
 # 0.28-0.41 ms inline. Larger calls (prefill chunks) keep the loop free for other requests.
 INLINE_ROWS = 4
 COMPUTE_THREADS = 4  # calls computed (or waiting for their reads) at once, beyond inline ones
+NOT_HELD = 255  # heat tier of an expert outside this store's shard
+
+
+def owned_index(container: Container, spec: str, store_id: str) -> ExpertIndex:
+    """The records this store serves: the `storage.owned_experts` share of the container's,
+    less those whose layer file is absent from its directory (a shard on its own disk)."""
+    index = container.index
+    want = parse_owned(spec, list(index.layers), index.n_experts)
+    keys: list[ExpertKey] = [k for k in sorted(want) if index.records[k].path not in container.absent_experts]
+    if not keys:
+        absent = sorted(container.absent_experts)
+        raise InvalidArgument(f"expert store {store_id}: holds none of the experts it is to own "
+                              f"(storage.owned_experts {spec!r}; layer files absent from {container.path}/experts: "
+                              f"{', '.join(absent[:4])}{' ...' if len(absent) > 4 else ''})")
+    if len(keys) == len(index):
+        return index
+    return ExpertIndex(index.root, {k: index.records[k] for k in keys}, index.identity, index.parse, index.layout)
 
 def kernel_threads() -> int:
     """Kernel threads per call: every CPU this process may use (`default_threads()`), as the
@@ -155,13 +178,15 @@ class StoreCore:
         self.store_id = settings.expert_store.id
         self.history_interval_s = history_interval_s
         self.ops = FastOps(threads=threads if threads is not None else kernel_threads())
-        self.container = Container.open(settings.model.path)
+        self.container = Container.open(settings.model.path, partial_experts=True)
         try:
             self.shape = shape_of(self.container)
-            config = tier_config(settings, self.container.expert_bytes, self.store_id)
+            index = owned_index(self.container, st.owned_experts, self.store_id)
+            self.owned = to_ranges(index.records)
+            config = tier_config(settings, sum(r.length for r in index.records.values()), self.store_id)
             if config.history_path is not None:
                 config.history_path.parent.mkdir(parents=True, exist_ok=True)
-            self.tier = ExpertTier.open(self.container.index, config, mirrors=st.mirrors,
+            self.tier = ExpertTier.open(index, config, mirrors=st.mirrors,
                                         depth=st.queue_depth, direct=st.direct_io,
                                         mirror_weights=st.mirror_weights or None)
             self.experts = TierCompute(self.tier, self.ops)
@@ -177,6 +202,10 @@ class StoreCore:
         self._queued_lock = threading.Lock()
         self._row = {layer: i for i, layer in enumerate(self.shape.moe_layers)}
         n_layers, n_experts = len(self.shape.moe_layers), self.shape.n_experts
+        self._held = np.zeros((n_layers, n_experts), dtype=bool)  # [L, E] this store's shard
+        for layer, expert in index.records:
+            self._held[self._row[layer], expert] = True
+        self.read_bandwidth = 0.0
         self._counts = np.zeros((n_layers, n_experts), dtype=np.uint32)
         self._recent = np.zeros((n_layers, n_experts), dtype=np.uint8)
         self._step = 0
@@ -185,10 +214,10 @@ class StoreCore:
         self._saver: asyncio.Task[None] | None = None
         self._notes = threading.Lock()  # step and routing notes: the event loop and the lane threads
         self.metrics = StoreMetrics(self.tier_stats, self.shape.moe_layers, config.policy)
-        log.info("expert store %s: %s (%s, %d MoE layers x %d experts, %d-byte records), budget %d bytes, "
-                 "policy %s, %d mirror(s), %s", self.store_id, settings.model.path, self.shape.arch,
-                 n_layers, n_experts, self.shape.record_bytes, self.tier.budget, config.policy, len(st.mirrors),
-                 self.ops)
+        log.info("expert store %s: %s (%s, %d MoE layers x %d experts, %d-byte records), holds %d of %d experts, "
+                 "budget %d bytes, policy %s, %d mirror(s), %s", self.store_id, settings.model.path, self.shape.arch,
+                 n_layers, n_experts, self.shape.record_bytes, len(index), n_layers * n_experts, self.tier.budget,
+                 config.policy, len(st.mirrors), self.ops)
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -237,6 +266,21 @@ class StoreCore:
                 log.warning("could not save usage history to %s: %s", self.tier.config.history_path, e)
 
     # ---- requests -------------------------------------------------------------------
+    def probe_bandwidth(self) -> float:
+        """Measure the read bandwidth of this store's copies (a few records each), bytes/s: the
+        weight of its share in the router's placement map."""
+        self.read_bandwidth = sum(self.tier.engine.probe()) * 1e9
+        return self.read_bandwidth
+
+    def _check_held(self, batch: ComputeBatch) -> None:
+        ids = batch.ids[batch.ids >= 0] if batch.slot_outputs else batch.ids.reshape(-1)
+        held = self._held[self._row[batch.layer]]
+        if not held[ids].all():
+            missing = np.unique(ids[~held[ids]])
+            raise NotFound(f"expert store {self.store_id} does not hold layer {batch.layer} experts "
+                           f"{missing[:16].tolist()}{' ...' if len(missing) > 16 else ''} (it holds "
+                           f"{int(held.sum())} of the layer's {len(held)})")
+
     async def compute(self, batch: ComputeBatch) -> ComputeResult:
         """One MoE layer for a batch: the tier-compute loop, on the event loop's thread when the
         call is small, no compute thread busy and every expert of it resident (see INLINE_ROWS),
@@ -244,11 +288,13 @@ class StoreCore:
         running calls hold pins (a call queued for a thread holds none, and a call waits for room
         only between waves, holding nothing), so a wave waiting for room never waits for a call
         that waits for it. The batch was checked against `shape`."""
+        self._check_held(batch)
         self._note_step(batch.step)
         self._note_routing(batch.layer, batch.ids)
         job = None
         if batch.hidden.shape[0] <= INLINE_ROWS and self._queued == 0:
-            job = self.experts.start(batch.layer, batch.hidden, batch.ids, batch.weights, block=False)
+            job = self.experts.start(batch.layer, batch.hidden, batch.ids, batch.weights, block=False,
+                                     slot_outputs=batch.slot_outputs)
         if job is not None and job.resident:
             result = self.experts.finish(job)  # a decode step's few rows: without two thread hand-offs
         else:
@@ -261,9 +307,10 @@ class StoreCore:
         """`compute` on the calling thread (a local lane connection's, which is there to compute
         its calls): the tier-compute loop run here, its waits for reads and room included. The
         batch was checked against `shape`."""
+        self._check_held(batch)
         self._note_step(batch.step)
         self._note_routing(batch.layer, batch.ids)
-        result = self.experts.run(batch.layer, batch.hidden, batch.ids, batch.weights)
+        result = self.experts.run(batch.layer, batch.hidden, batch.ids, batch.weights, slot_outputs=batch.slot_outputs)
         self.metrics.observe_compute(batch.layer, batch.hidden.shape[0], result.waves, result.load_ns,
                                      result.compute_ns)
         return result
@@ -275,7 +322,8 @@ class StoreCore:
         gone = threading.Event()
 
         def work() -> ComputeResult:
-            j = job or self.experts.start(batch.layer, batch.hidden, batch.ids, batch.weights, block=True)
+            j = job or self.experts.start(batch.layer, batch.hidden, batch.ids, batch.weights, block=True,
+                                          slot_outputs=batch.slot_outputs)
             assert j is not None
             if gone.is_set():
                 j.abandon()
@@ -300,6 +348,12 @@ class StoreCore:
 
     def prefetch(self, hint: PrefetchHint) -> PrefetchResult:
         n = len(np.unique(hint.ids))
+        held = self._held[self._row[hint.layer]][hint.ids]
+        if not held.all():  # hints never fail: experts of another store's shard are dropped
+            with self._notes:
+                self._hints_refused += len(np.unique(hint.ids[~held]))
+            hint = PrefetchHint(hint.layer, hint.ids[held], hint.step)
+            n = len(np.unique(hint.ids))
         stale = hint.step is not None and hint.step < self._step
         if stale or not self.settings.storage.prefetch:
             with self._notes:
@@ -321,6 +375,7 @@ class StoreCore:
     def _note_routing(self, layer: int, ids: I32) -> None:
         row = self._row[layer]
         flat = ids.reshape(-1)
+        flat = flat[flat >= 0]  # slots of other stores (slot_outputs) are theirs to count
         with self._notes:
             self._counts[row] += np.bincount(flat, minlength=self.shape.n_experts).astype(np.uint32)
             self._recent[row] = 0
@@ -336,16 +391,20 @@ class StoreCore:
 
     def info(self) -> StoreInfo:
         return StoreInfo(self.shape, self.tier.budget, self.tier.config.policy, self.tier.engine.stats().disks,
-                         self.store_id)
+                         self.store_id, self.owned, self.read_bandwidth)
 
     async def aheat(self) -> StoreHeat:
         # off the event loop: placing every expert of a large model takes a while the first time
         return await asyncio.to_thread(self.heat)
 
     def heat(self) -> StoreHeat:
-        state = self.tier.heat().state  # [L, E]; an expert being read is still on disk
+        snap = self.tier.heat()  # rows: the layers of this store's shard; an expert being read is on disk
+        state = np.zeros(self._held.shape, dtype=np.uint8)
+        for i, layer in enumerate(snap.layers.tolist()):
+            state[self._row[layer], :snap.state.shape[1]] = snap.state[i]
         in_ram = (state == HEAT_RAM) | (state == HEAT_PINNED)
         tier = np.where(in_ram, 0, 1 + self._placement_map()).astype(np.uint8)
+        tier[~self._held] = NOT_HELD
         stats = self.tier.stats()
         return StoreHeat(self.shape.moe_layers, self._counts.copy(), tier, self._recent.copy(),
                          [d.name for d in stats.io.disks] if stats.io else [], stats.resident_bytes,

@@ -132,9 +132,10 @@ def create_server(settings: Settings, bind: str = "127.0.0.1:0", *, register: bo
     agent = None
     if register:
         settings = with_bound_port(settings, "expert_store", port)
-        shape = core.shape
-        agent = MemberAgent.from_settings(settings, "expert_store", model_id=shape.model_id,
-                                          owned=[(layer, 0, shape.n_experts) for layer in shape.moe_layers])
+        bandwidth = core.probe_bandwidth()  # the weight of its share in the placement map
+        agent = MemberAgent.from_settings(settings, "expert_store", model_id=core.shape.model_id,
+                                          owned=[(r.layer, r.first, r.last) for r in core.owned],
+                                          read_bandwidth=bandwidth, drain_on_stop=True)
     return StoreServer(settings, core, server, agent, lane), port
 
 

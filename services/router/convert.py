@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from moetier.errors import InvalidArgument
+from moetier.placement import ExpertRange, PlacementMap
 from moetier.rpc.v1 import dense_worker_pb2, generate_pb2, router_pb2
 from services.router.core import ClusterView
-from services.router.registry import ExpertRange, LoadReport, MemberInfo, MemberKind
+from services.router.registry import LoadReport, MemberInfo, MemberKind
 from services.router.scheduler import Route
 
 _KIND_FROM_PB = {
@@ -31,8 +32,11 @@ def member_info_from_pb(req: router_pb2.RegisterRequest) -> MemberInfo:
             raise InvalidArgument(f"Register {req.member_id}: empty expert range [{r.first}, {r.last}) "
                                   f"of layer {r.layer}")
         owned.append(ExpertRange(r.layer, r.first, r.last))
+    if not req.read_bandwidth >= 0:  # also NaN
+        raise InvalidArgument(f"Register {req.member_id}: read_bandwidth {req.read_bandwidth} is not >= 0")
     return MemberInfo(kind=kind, member_id=req.member_id, address=req.address,
-                      metrics_address=req.metrics_address, model_id=req.model_id, owned=tuple(owned))
+                      metrics_address=req.metrics_address, model_id=req.model_id, owned=tuple(owned),
+                      read_bandwidth=min(req.read_bandwidth, 1e15))
 
 
 def load_from_pb(load: dense_worker_pb2.WorkerLoad) -> LoadReport:
@@ -69,9 +73,18 @@ def status_to_pb(view: ClusterView) -> router_pb2.ClusterStatusResponse:
         info = s.member.info
         m = out.members.add(kind=_KIND_TO_PB[info.kind], member_id=info.member_id, address=info.address,
                             metrics_address=info.metrics_address, model_id=info.model_id,
-                            last_seen_s=s.last_seen_s, in_flight=s.in_flight)
+                            last_seen_s=s.last_seen_s, in_flight=s.in_flight,
+                            read_bandwidth=info.read_bandwidth, placed_experts=s.placed_experts)
         if s.member.load is not None:
             m.load.CopyFrom(_load_to_pb(s.member.load))
         for r in info.owned:
             m.owned.add(layer=r.layer, first=r.first, last=r.last)
+    return out
+
+
+def placement_to_pb(version: int, pmap: PlacementMap | None) -> router_pb2.PlacementResponse:
+    out = router_pb2.PlacementResponse(version=version, changed=pmap is not None)
+    for st in pmap.stores if pmap is not None else ():
+        out.stores.add(member_id=st.member_id, address=st.address, weight=st.weight,
+                       owned=[router_pb2.ExpertRange(layer=r.layer, first=r.first, last=r.last) for r in st.owned])
     return out

@@ -13,9 +13,11 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from moetier.errors import InvalidArgument, ResourceExhausted, Unavailable
+from moetier.placement import PlacementMap
 from moetier.rpc.v1 import generate_pb2
 from moetier.settings import Settings
 from services.router.metrics import RouterMetrics
+from services.router.placement import Placements
 from services.router.registry import LeaveReason, LoadReport, Member, MemberInfo, MemberKind, Registry
 from services.router.scheduler import Lease, Route, Scheduler
 from services.router.workers import WorkerClients, WorkerGone
@@ -31,6 +33,7 @@ class MemberStatus:
     member: Member
     last_seen_s: float
     in_flight: int
+    placed_experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,15 @@ class RouterCore:
                                    default_max_batch=settings.inference.max_batch_size,
                                    default_max_waiting=settings.inference.max_waiting)
         self.workers = WorkerClients(self.registry)
+        self.placements = Placements(self.registry)
         # No generation outlives the gateway's own deadline for it: that is the longest a
         # worker call may run when the caller set no deadline of its own.
         self.max_request_s = settings.gateway.request_timeout_s
         self.metrics = RouterMetrics()
         self.metrics.observe_state(lambda: self.scheduler.queued, self.scheduler.queue_capacity,
                                    lambda: self.scheduler.in_flight_total, self.registry.count)
+        self.metrics.observe_placement(lambda: self.placements.placed, lambda: self.placements.unowned_keys,
+                                       lambda: self.placements.version)
         self.registry.add_listener(self._count_departure)
         self._expiry: asyncio.Task[None] | None = None
 
@@ -89,14 +95,22 @@ class RouterCore:
     def register(self, info: MemberInfo) -> None:
         self.registry.register(info)
 
-    def heartbeat(self, member_id: str, load: LoadReport | None) -> bool:
+    def heartbeat(self, member_id: str, load: LoadReport | None, draining: bool = False) -> bool:
+        if draining:  # leaves the table and the placement map now; a later Register brings it back
+            self.registry.remove(member_id, "drained")
+            return True
         return self.registry.heartbeat(member_id, load)
+
+    def placement(self, known_version: int | None) -> tuple[int, PlacementMap | None]:
+        """(version, the map; None when the caller holds this version already)."""
+        p = self.placements
+        return p.version, None if known_version == p.version else p.map
 
     def status(self) -> ClusterView:
         members = sorted(self.registry.members(), key=lambda m: (m.info.kind.value, m.member_id))
         return ClusterView(
-            members=[MemberStatus(m, self.registry.seconds_since_seen(m), self.scheduler.in_flight(m.member_id))
-                     for m in members],
+            members=[MemberStatus(m, self.registry.seconds_since_seen(m), self.scheduler.in_flight(m.member_id),
+                                  self.placements.placed.get(m.member_id, 0)) for m in members],
             queued=self.scheduler.queued, queue_capacity=self.scheduler.queue_capacity)
 
     # -- generation --------------------------------------------------------------------

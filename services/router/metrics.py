@@ -2,7 +2,7 @@
 
 Each router has its own CollectorRegistry (several routers can live in one test
 process). Gauges read the live state through callbacks, so there is no copy of it
-to keep in step. Labels are bounded: outcome, reason, kind.
+to keep in step. Labels are bounded: outcome, reason, kind, store (one per expert store of the cluster).
 
 | metric | type | labels | meaning |
 |---|---|---|---|
@@ -15,15 +15,20 @@ to keep in step. Labels are bounded: outcome, reason, kind.
 | moetier_router_in_flight | gauge | | requests the router has running on workers |
 | moetier_router_members | gauge | kind | registered members: dense_worker, expert_store |
 | moetier_router_failovers_total | counter | | requests routed again because their worker failed before the first token |
-| moetier_router_member_departures_total | counter | reason | members dropped from the routing table: expired (silent), failed (mid-stream), replaced (new address) |
+| moetier_router_member_departures_total | counter | reason | members dropped from the routing table: expired (silent), failed (mid-stream), replaced (new address), drained (shutting down) |
+| moetier_router_placed_experts | gauge | store | experts the placement map sends to each live expert store first (its share of what it owns) |
+| moetier_router_unowned_experts | gauge | | experts some store has owned that no live store owns now (requests needing them fail) |
+| moetier_router_placement_version | gauge | | version of the placement map (changes when a store joins, leaves or re-shards) |
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from services.router.registry import LeaveReason, MemberKind
 from services.router.scheduler import Reason
@@ -75,3 +80,25 @@ class RouterMetrics:
         self.in_flight.set_function(in_flight)
         for kind in MemberKind:
             self.members.labels(kind=kind.value).set_function(lambda k=kind: members(k))  # type: ignore[misc]
+
+    def observe_placement(self, placed: Callable[[], dict[str, int]], unowned: Callable[[], int],
+                          version: Callable[[], int]) -> None:
+        """Placement per store, read at scrape time (the set of stores changes)."""
+        self.registry.register(_PlacementCollector(placed, unowned, version))
+
+
+class _PlacementCollector(Collector):
+    def __init__(self, placed: Callable[[], dict[str, int]], unowned: Callable[[], int],
+                 version: Callable[[], int]) -> None:
+        self._placed, self._unowned, self._version = placed, unowned, version
+
+    def collect(self) -> Iterator[Metric]:
+        per = GaugeMetricFamily("moetier_router_placed_experts",
+                                "Experts the placement map sends to each expert store first.", labels=["store"])
+        for store, n in sorted(self._placed().items()):
+            per.add_metric([store], n)
+        yield per
+        yield GaugeMetricFamily("moetier_router_unowned_experts",
+                                "Experts some store has owned that no live store owns now.", value=self._unowned())
+        yield GaugeMetricFamily("moetier_router_placement_version", "Version of the placement map.",
+                                value=self._version())

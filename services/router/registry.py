@@ -4,7 +4,8 @@ Members (dense workers and expert stores) Register, then Heartbeat every
 `heartbeat_interval_s`; one silent for `expiry_s` is dropped by the expiry task.
 A member that fails mid-stream is dropped at once (`remove(..., "failed")`) and
 comes back by registering again (its MemberAgent does so when a heartbeat is
-answered `known=false`). Listeners hear every join, heartbeat and leave, synchronously,
+answered `known=false`). A member shutting down says so in a heartbeat (`draining`) and
+leaves at once (`remove(..., "drained")`). Listeners hear every join, heartbeat and leave, synchronously,
 on the event loop: the scheduler to place queued requests, the channel pool to
 close channels of members that are gone.
 """
@@ -19,21 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from moetier.placement import ExpertRange
+
 log = logging.getLogger(__name__)
 
 
 class MemberKind(enum.Enum):
     DENSE_WORKER = "dense_worker"
     EXPERT_STORE = "expert_store"
-
-
-@dataclass(frozen=True)
-class ExpertRange:
-    """Experts [first, last) of one layer."""
-
-    layer: int
-    first: int
-    last: int
 
 
 @dataclass(frozen=True)
@@ -60,6 +54,7 @@ class MemberInfo:
     metrics_address: str
     model_id: str
     owned: tuple[ExpertRange, ...]
+    read_bandwidth: float = 0.0  # an expert store's measured read bandwidth, bytes/s (0: unknown)
 
 
 @dataclass(frozen=True, eq=False)  # identity: one object per (re)registration or heartbeat
@@ -73,7 +68,7 @@ class Member:
         return self.info.member_id
 
 
-LeaveReason = Literal["expired", "failed", "replaced"]
+LeaveReason = Literal["expired", "failed", "replaced", "drained"]
 # (member, None) when a member joins or heartbeats (its load may have changed);
 # (member, reason) when it leaves.
 Listener = Callable[[Member, LeaveReason | None], None]
@@ -102,6 +97,8 @@ class Registry:
         if old is not None and (old.info.address, old.info.kind) == (info.address, info.kind):
             member = replace(old, info=info, last_seen=now)
             self._members[info.member_id] = member
+            if old.info != info:  # same member, new facts (a store's shard or bandwidth)
+                self._emit(member, None)
             return member
         if old is not None:
             del self._members[info.member_id]

@@ -50,13 +50,20 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Heartbeat(self, request: router_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> router_pb2.HeartbeatResponse:
         async with rpc_errors(context, "Heartbeat"):
-            known = self.core.heartbeat(request.member_id, convert.heartbeat_load(request))
+            known = self.core.heartbeat(request.member_id, convert.heartbeat_load(request),
+                                        draining=request.draining)
             return router_pb2.HeartbeatResponse(known=known)
 
     async def ClusterStatus(self, request: router_pb2.ClusterStatusRequest,
                             context: grpc.aio.ServicerContext) -> router_pb2.ClusterStatusResponse:
         async with rpc_errors(context, "ClusterStatus"):
             return convert.status_to_pb(self.core.status())
+
+    async def Placement(self, request: router_pb2.PlacementRequest,
+                        context: grpc.aio.ServicerContext) -> router_pb2.PlacementResponse:
+        async with rpc_errors(context, "Placement"):
+            known = request.known_version if request.HasField("known_version") else None
+            return convert.placement_to_pb(*self.core.placement(known))
 
 
 class RouterServer(ServiceServer[RouterCore]):

@@ -26,7 +26,7 @@ class DiskInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., state: _Optional[str] = ..., weight: _Optional[float] = ..., files: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "arch", "hidden_size", "moe_layers", "n_experts", "top_k", "record_bytes", "budget_bytes", "policy", "expert_dtype", "disks", "store_id", "local_socket", "local_token")
+    __slots__ = ("model_id", "arch", "hidden_size", "moe_layers", "n_experts", "top_k", "record_bytes", "budget_bytes", "policy", "expert_dtype", "disks", "store_id", "local_socket", "local_token", "owned", "read_bandwidth")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,8 @@ class InfoResponse(_message.Message):
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     LOCAL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OWNED_FIELD_NUMBER: _ClassVar[int]
+    READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     arch: str
     hidden_size: int
@@ -55,7 +57,19 @@ class InfoResponse(_message.Message):
     store_id: str
     local_socket: str
     local_token: str
-    def __init__(self, model_id: _Optional[str] = ..., arch: _Optional[str] = ..., hidden_size: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., record_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., policy: _Optional[str] = ..., expert_dtype: _Optional[str] = ..., disks: _Optional[_Iterable[_Union[DiskInfo, _Mapping]]] = ..., store_id: _Optional[str] = ..., local_socket: _Optional[str] = ..., local_token: _Optional[str] = ...) -> None: ...
+    owned: _containers.RepeatedCompositeFieldContainer[OwnedRange]
+    read_bandwidth: float
+    def __init__(self, model_id: _Optional[str] = ..., arch: _Optional[str] = ..., hidden_size: _Optional[int] = ..., moe_layers: _Optional[_Iterable[int]] = ..., n_experts: _Optional[int] = ..., top_k: _Optional[int] = ..., record_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., policy: _Optional[str] = ..., expert_dtype: _Optional[str] = ..., disks: _Optional[_Iterable[_Union[DiskInfo, _Mapping]]] = ..., store_id: _Optional[str] = ..., local_socket: _Optional[str] = ..., local_token: _Optional[str] = ..., owned: _Optional[_Iterable[_Union[OwnedRange, _Mapping]]] = ..., read_bandwidth: _Optional[float] = ...) -> None: ...
+
+class OwnedRange(_message.Message):
+    __slots__ = ("layer", "first", "last")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    first: int
+    last: int
+    def __init__(self, layer: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
 
 class LocalHello(_message.Message):
     __slots__ = ("token", "region_bytes")
@@ -82,18 +96,20 @@ class LocalError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class ComputeExpertsRequest(_message.Message):
-    __slots__ = ("layer", "hidden", "expert_ids", "weights", "step")
+    __slots__ = ("layer", "hidden", "expert_ids", "weights", "step", "slot_outputs")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     EXPERT_IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     hidden: _tensor_pb2.Tensor
     expert_ids: _tensor_pb2.Tensor
     weights: _tensor_pb2.Tensor
     step: int
-    def __init__(self, layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+    slot_outputs: bool
+    def __init__(self, layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., slot_outputs: _Optional[bool] = ...) -> None: ...
 
 class ComputeExpertsResponse(_message.Message):
     __slots__ = ("output", "hits", "misses", "load_ns", "compute_ns")

@@ -26,31 +26,37 @@ from moetier.rpc.v1 import dense_worker_pb2 as moetier_dot_v1_dot_dense__worker_
 from moetier.rpc.v1 import generate_pb2 as moetier_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moetier/v1/router.proto\x12\nmoetier.v1\x1a\x1dmoetier/v1/dense_worker.proto\x1a\x19moetier/v1/generate.proto\"9\n\x0b\x45xpertRange\x12\r\n\x05layer\x18\x01 \x01(\r\x12\r\n\x05\x66irst\x18\x02 \x01(\r\x12\x0c\n\x04last\x18\x03 \x01(\r\"\xae\x01\n\x0fRegisterRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.moetier.v1.MemberKind\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12&\n\x05owned\x18\x06 \x03(\x0b\x32\x17.moetier.v1.ExpertRange\"B\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x10\n\x08\x65xpiry_s\x18\x02 \x01(\x01\"Y\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12)\n\x04load\x18\x02 \x01(\x0b\x32\x16.moetier.v1.WorkerLoadH\x00\x88\x01\x01\x42\x07\n\x05_load\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x16\n\x14\x43lusterStatusRequest\"\x81\x02\n\x06Member\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.moetier.v1.MemberKind\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x06 \x01(\x01\x12)\n\x04load\x18\x07 \x01(\x0b\x32\x16.moetier.v1.WorkerLoadH\x00\x88\x01\x01\x12&\n\x05owned\x18\x08 \x03(\x0b\x32\x17.moetier.v1.ExpertRange\x12\x11\n\tin_flight\x18\t \x01(\rB\x07\n\x05_load\"d\n\x15\x43lusterStatusResponse\x12#\n\x07members\x18\x01 \x03(\x0b\x32\x12.moetier.v1.Member\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x16\n\x0equeue_capacity\x18\x03 \x01(\r*e\n\nMemberKind\x12\x1b\n\x17MEMBER_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18MEMBER_KIND_DENSE_WORKER\x10\x01\x12\x1c\n\x18MEMBER_KIND_EXPERT_STORE\x10\x02\x32\xb8\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.moetier.v1.GenerateRequest\x1a\x1c.moetier.v1.GenerateResponse0\x01\x12\x45\n\x08Register\x12\x1b.moetier.v1.RegisterRequest\x1a\x1c.moetier.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.moetier.v1.HeartbeatRequest\x1a\x1d.moetier.v1.HeartbeatResponse\x12T\n\rClusterStatus\x12 .moetier.v1.ClusterStatusRequest\x1a!.moetier.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17moetier/v1/router.proto\x12\nmoetier.v1\x1a\x1dmoetier/v1/dense_worker.proto\x1a\x19moetier/v1/generate.proto\"9\n\x0b\x45xpertRange\x12\r\n\x05layer\x18\x01 \x01(\r\x12\r\n\x05\x66irst\x18\x02 \x01(\r\x12\x0c\n\x04last\x18\x03 \x01(\r\"\xc6\x01\n\x0fRegisterRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.moetier.v1.MemberKind\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12&\n\x05owned\x18\x06 \x03(\x0b\x32\x17.moetier.v1.ExpertRange\x12\x16\n\x0eread_bandwidth\x18\x07 \x01(\x01\"B\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x10\n\x08\x65xpiry_s\x18\x02 \x01(\x01\"}\n\x10HeartbeatRequest\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12)\n\x04load\x18\x02 \x01(\x0b\x32\x16.moetier.v1.WorkerLoadH\x00\x88\x01\x01\x12\x15\n\x08\x64raining\x18\x03 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05_loadB\x0b\n\t_draining\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x16\n\x14\x43lusterStatusRequest\"\xb1\x02\n\x06Member\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.moetier.v1.MemberKind\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x04 \x01(\t\x12\x10\n\x08model_id\x18\x05 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x06 \x01(\x01\x12)\n\x04load\x18\x07 \x01(\x0b\x32\x16.moetier.v1.WorkerLoadH\x00\x88\x01\x01\x12&\n\x05owned\x18\x08 \x03(\x0b\x32\x17.moetier.v1.ExpertRange\x12\x11\n\tin_flight\x18\t \x01(\r\x12\x16\n\x0eread_bandwidth\x18\n \x01(\x01\x12\x16\n\x0eplaced_experts\x18\x0b \x01(\rB\x07\n\x05_load\"d\n\x15\x43lusterStatusResponse\x12#\n\x07members\x18\x01 \x03(\x0b\x32\x12.moetier.v1.Member\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x16\n\x0equeue_capacity\x18\x03 \x01(\r\"@\n\x10PlacementRequest\x12\x1a\n\rknown_version\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_known_version\"l\n\x0eStorePlacement\x12\x11\n\tmember_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12&\n\x05owned\x18\x04 \x03(\x0b\x32\x17.moetier.v1.ExpertRange\"a\n\x11PlacementResponse\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12*\n\x06stores\x18\x02 \x03(\x0b\x32\x1a.moetier.v1.StorePlacement\x12\x0f\n\x07\x63hanged\x18\x03 \x01(\x08*e\n\nMemberKind\x12\x1b\n\x17MEMBER_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18MEMBER_KIND_DENSE_WORKER\x10\x01\x12\x1c\n\x18MEMBER_KIND_EXPERT_STORE\x10\x02\x32\x82\x03\n\x06Router\x12G\n\x08Generate\x12\x1b.moetier.v1.GenerateRequest\x1a\x1c.moetier.v1.GenerateResponse0\x01\x12\x45\n\x08Register\x12\x1b.moetier.v1.RegisterRequest\x1a\x1c.moetier.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.moetier.v1.HeartbeatRequest\x1a\x1d.moetier.v1.HeartbeatResponse\x12T\n\rClusterStatus\x12 .moetier.v1.ClusterStatusRequest\x1a!.moetier.v1.ClusterStatusResponse\x12H\n\tPlacement\x12\x1c.moetier.v1.PlacementRequest\x1a\x1d.moetier.v1.PlacementResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moetier.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMBERKIND']._serialized_start=914
-  _globals['_MEMBERKIND']._serialized_end=1015
+  _globals['_MEMBERKIND']._serialized_start=1297
+  _globals['_MEMBERKIND']._serialized_end=1398
   _globals['_EXPERTRANGE']._serialized_start=97
   _globals['_EXPERTRANGE']._serialized_end=154
   _globals['_REGISTERREQUEST']._serialized_start=157
-  _globals['_REGISTERREQUEST']._serialized_end=331
-  _globals['_REGISTERRESPONSE']._serialized_start=333
-  _globals['_REGISTERRESPONSE']._serialized_end=399
-  _globals['_HEARTBEATREQUEST']._serialized_start=401
-  _globals['_HEARTBEATREQUEST']._serialized_end=490
-  _globals['_HEARTBEATRESPONSE']._serialized_start=492
-  _globals['_HEARTBEATRESPONSE']._serialized_end=526
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=528
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=550
-  _globals['_MEMBER']._serialized_start=553
-  _globals['_MEMBER']._serialized_end=810
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=812
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=912
-  _globals['_ROUTER']._serialized_start=1018
-  _globals['_ROUTER']._serialized_end=1330
+  _globals['_REGISTERREQUEST']._serialized_end=355
+  _globals['_REGISTERRESPONSE']._serialized_start=357
+  _globals['_REGISTERRESPONSE']._serialized_end=423
+  _globals['_HEARTBEATREQUEST']._serialized_start=425
+  _globals['_HEARTBEATREQUEST']._serialized_end=550
+  _globals['_HEARTBEATRESPONSE']._serialized_start=552
+  _globals['_HEARTBEATRESPONSE']._serialized_end=586
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=588
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=610
+  _globals['_MEMBER']._serialized_start=613
+  _globals['_MEMBER']._serialized_end=918
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=920
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1020
+  _globals['_PLACEMENTREQUEST']._serialized_start=1022
+  _globals['_PLACEMENTREQUEST']._serialized_end=1086
+  _globals['_STOREPLACEMENT']._serialized_start=1088
+  _globals['_STOREPLACEMENT']._serialized_end=1196
+  _globals['_PLACEMENTRESPONSE']._serialized_start=1198
+  _globals['_PLACEMENTRESPONSE']._serialized_end=1295
+  _globals['_ROUTER']._serialized_start=1401
+  _globals['_ROUTER']._serialized_end=1787
 # @@protoc_insertion_point(module_scope)

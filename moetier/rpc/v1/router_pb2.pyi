@@ -29,20 +29,22 @@ class ExpertRange(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("kind", "member_id", "address", "metrics_address", "model_id", "owned")
+    __slots__ = ("kind", "member_id", "address", "metrics_address", "model_id", "owned", "read_bandwidth")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     OWNED_FIELD_NUMBER: _ClassVar[int]
+    READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     kind: MemberKind
     member_id: str
     address: str
     metrics_address: str
     model_id: str
     owned: _containers.RepeatedCompositeFieldContainer[ExpertRange]
-    def __init__(self, kind: _Optional[_Union[MemberKind, str]] = ..., member_id: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model_id: _Optional[str] = ..., owned: _Optional[_Iterable[_Union[ExpertRange, _Mapping]]] = ...) -> None: ...
+    read_bandwidth: float
+    def __init__(self, kind: _Optional[_Union[MemberKind, str]] = ..., member_id: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model_id: _Optional[str] = ..., owned: _Optional[_Iterable[_Union[ExpertRange, _Mapping]]] = ..., read_bandwidth: _Optional[float] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "expiry_s")
@@ -53,12 +55,14 @@ class RegisterResponse(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ..., expiry_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("member_id", "load")
+    __slots__ = ("member_id", "load", "draining")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     load: _dense_worker_pb2.WorkerLoad
-    def __init__(self, member_id: _Optional[str] = ..., load: _Optional[_Union[_dense_worker_pb2.WorkerLoad, _Mapping]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, member_id: _Optional[str] = ..., load: _Optional[_Union[_dense_worker_pb2.WorkerLoad, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)
@@ -71,7 +75,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Member(_message.Message):
-    __slots__ = ("kind", "member_id", "address", "metrics_address", "model_id", "last_seen_s", "load", "owned", "in_flight")
+    __slots__ = ("kind", "member_id", "address", "metrics_address", "model_id", "last_seen_s", "load", "owned", "in_flight", "read_bandwidth", "placed_experts")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,8 @@ class Member(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     OWNED_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    PLACED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     kind: MemberKind
     member_id: str
     address: str
@@ -90,7 +96,9 @@ class Member(_message.Message):
     load: _dense_worker_pb2.WorkerLoad
     owned: _containers.RepeatedCompositeFieldContainer[ExpertRange]
     in_flight: int
-    def __init__(self, kind: _Optional[_Union[MemberKind, str]] = ..., member_id: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model_id: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., load: _Optional[_Union[_dense_worker_pb2.WorkerLoad, _Mapping]] = ..., owned: _Optional[_Iterable[_Union[ExpertRange, _Mapping]]] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    read_bandwidth: float
+    placed_experts: int
+    def __init__(self, kind: _Optional[_Union[MemberKind, str]] = ..., member_id: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model_id: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., load: _Optional[_Union[_dense_worker_pb2.WorkerLoad, _Mapping]] = ..., owned: _Optional[_Iterable[_Union[ExpertRange, _Mapping]]] = ..., in_flight: _Optional[int] = ..., read_bandwidth: _Optional[float] = ..., placed_experts: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
     __slots__ = ("members", "queued", "queue_capacity")
@@ -101,3 +109,31 @@ class ClusterStatusResponse(_message.Message):
     queued: int
     queue_capacity: int
     def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., queued: _Optional[int] = ..., queue_capacity: _Optional[int] = ...) -> None: ...
+
+class PlacementRequest(_message.Message):
+    __slots__ = ("known_version",)
+    KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    known_version: int
+    def __init__(self, known_version: _Optional[int] = ...) -> None: ...
+
+class StorePlacement(_message.Message):
+    __slots__ = ("member_id", "address", "weight", "owned")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    OWNED_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    address: str
+    weight: float
+    owned: _containers.RepeatedCompositeFieldContainer[ExpertRange]
+    def __init__(self, member_id: _Optional[str] = ..., address: _Optional[str] = ..., weight: _Optional[float] = ..., owned: _Optional[_Iterable[_Union[ExpertRange, _Mapping]]] = ...) -> None: ...
+
+class PlacementResponse(_message.Message):
+    __slots__ = ("version", "stores", "changed")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORES_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    stores: _containers.RepeatedCompositeFieldContainer[StorePlacement]
+    changed: bool
+    def __init__(self, version: _Optional[int] = ..., stores: _Optional[_Iterable[_Union[StorePlacement, _Mapping]]] = ..., changed: _Optional[bool] = ...) -> None: ...

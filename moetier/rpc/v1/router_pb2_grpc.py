@@ -55,6 +55,11 @@ class RouterStub:
                 request_serializer=moetier_dot_v1_dot_router__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=moetier_dot_v1_dot_router__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.Placement = channel.unary_unary(
+                '/moetier.v1.Router/Placement',
+                request_serializer=moetier_dot_v1_dot_router__pb2.PlacementRequest.SerializeToString,
+                response_deserializer=moetier_dot_v1_dot_router__pb2.PlacementResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -90,6 +95,16 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Placement(self, request, context):
+        """The placement map dense workers send their ComputeExperts by: every live expert store,
+        the experts it owns and its read bandwidth (the weight of its share). Which owner serves
+        an expert is a weighted rendezvous hash over its owners (moetier/placement.py), the same
+        for every caller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +127,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=moetier_dot_v1_dot_router__pb2.ClusterStatusRequest.FromString,
                     response_serializer=moetier_dot_v1_dot_router__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'Placement': grpc.unary_unary_rpc_method_handler(
+                    servicer.Placement,
+                    request_deserializer=moetier_dot_v1_dot_router__pb2.PlacementRequest.FromString,
+                    response_serializer=moetier_dot_v1_dot_router__pb2.PlacementResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +242,33 @@ class Router:
             '/moetier.v1.Router/ClusterStatus',
             moetier_dot_v1_dot_router__pb2.ClusterStatusRequest.SerializeToString,
             moetier_dot_v1_dot_router__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Placement(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moetier.v1.Router/Placement',
+            moetier_dot_v1_dot_router__pb2.PlacementRequest.SerializeToString,
+            moetier_dot_v1_dot_router__pb2.PlacementResponse.FromString,
             options,
             channel_credentials,
             insecure,
