@@ -152,6 +152,35 @@ def test_bench_e2e_json(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert probe["grpc_round_trip_s"]["min"] > probe["grpc_store_s"]["min"] > 0
 
 
+@needs_fio
+@pytest.mark.timeout(300)  # three systems: the engine, one store's cluster, two stores' cluster
+def test_bench_e2e_stores_2(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_json(capsys, ["bench", "e2e", "--json", "--model", str(tiny), "--budget", "100%", "--tokens", "3",
+                          "--prompt-tokens", "6", "--rounds", "1", "--fio-records", "4", "--copy-mb", "8",
+                          "--probe-calls", "0", "--stores", "2"])
+    assert [x["order"] for x in r["rounds"]] == [["engine", "cluster", "sharded"]]
+    assert r["tokens_match"] is True  # two stores compute one store's tokens
+    sh = r["sharded"]
+    assert sh["stores"] == 2 and sh["decode_tok_s_over_one_store"] > 0
+    assert set(sh["read_mb_per_trial"]) == {"store-0-0", "store-0-1"} == set(sh["read_mb_per_decode_token"])
+    # each store holds half the layers' files and reads its own experts: both read, together what one store reads
+    assert all(v["min"] > 0 for v in sh["read_mb_per_trial"].values())
+    assert set(sh["one_store_read_mb_per_trial"]) == {"store-0"}
+    assert sh["warm"]["decode_tok_s"]["min"] > 0
+
+
+def test_shard_dirs_split_the_layer_files(tiny: Path, tmp_path: Path) -> None:
+    from moetier.bench._cluster import shard_dirs
+
+    a, b = shard_dirs(tiny, tmp_path, 2)
+    files = sorted(p.name for p in (tiny / "experts").glob("*.bin"))
+    assert sorted(p.name for p in (a / "experts").glob("*.bin")) == files[0::2]
+    assert sorted(p.name for p in (b / "experts").glob("*.bin")) == files[1::2]
+    for d in (a, b):  # everything else is there, the same files (hard links on one filesystem)
+        assert (d / "moetier.json").read_bytes() == (tiny / "moetier.json").read_bytes()
+        assert sorted(p.name for p in (d / "dense").iterdir()) == sorted(p.name for p in (tiny / "dense").iterdir())
+
+
 def test_machine_busy_counts_this_process_among_the_others() -> None:
     import time
 

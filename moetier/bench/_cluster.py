@@ -12,11 +12,18 @@ Generate stream, and each process's CPU time (/proc/<pid>/stat).
 
 The gateway is not started: a benchmark speaks to the router as the gateway does. Every port is
 a free one chosen at start (another `moetier up` on this machine is left alone).
+
+With `stores=N` (N > 1) the experts are sharded over N expert stores, each given a directory of
+its own (`shard_dirs`: the container's files, hard-linked where the filesystem allows, with the
+expert files of every N-th MoE layer only), registered with the router, and the dense worker
+places its calls by the router's map (`inference.expert_placement: router`). `scrape("expert_store")`
+is then every store's metrics added up; `scrape_each("expert_store")` keeps them apart.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 import urllib.request
@@ -29,8 +36,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from moetier.errors import Unavailable
-from moetier.launch import ServiceSpec, Supervisor, service_specs
+from moetier.launch import ServiceSpec, Supervisor, grpc_healthy, service_specs
 from moetier.settings import Settings
+from moetier.weights.format import EXPERTS_DIR
 
 SERVICES = ("router", "expert_store", "dense_worker")
 START_S = 300.0  # one service's start (imports, dense tensors, kernel warm-up) at most
@@ -100,49 +108,114 @@ def total(sample: Sample, name: str) -> float:
     return sum(v for k, v in sample.items() if k == name or k.startswith(name + "{"))
 
 
+def shard_dirs(model: Path, into: Path, n: int) -> list[Path]:
+    """`n` directories, each the container `model` less the expert files of the MoE layers that
+    are not its share (every n-th layer, by position: store i gets layers i, i + n, ...).
+    Files are hard links where `into` is on the model's filesystem, copies elsewhere."""
+    layer_files = sorted(p.name for p in (model / EXPERTS_DIR).glob("*.bin"))
+    out = []
+    for i in range(n):
+        mine = set(layer_files[i::n])
+        root = into / f"shard-{i}"
+        for src in model.rglob("*"):
+            rel = src.relative_to(model)
+            if src.is_dir() or (rel.parts[0] == EXPERTS_DIR and src.suffix == ".bin" and src.name not in mine):
+                continue
+            dst = root / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+        out.append(root)
+    return out
+
+
 class LocalCluster:
-    def __init__(self, settings: Settings, sup: Supervisor, procs: dict[str, Any]) -> None:
+    def __init__(self, settings: Settings, sup: Supervisor, procs: dict[str, Any],
+                 store_metrics: dict[str, int]) -> None:
         self.settings = settings
         self.sup = sup
         self.pids = {name: p.pid for name, p in procs.items()}
+        self.store_metrics = store_metrics  # store id -> its metrics port
 
     @classmethod
     @contextmanager
-    def start(cls, settings: Settings, model: Path, data_dir: Path) -> Iterator[LocalCluster]:
+    def start(cls, settings: Settings, model: Path, data_dir: Path, stores: int = 1) -> Iterator[LocalCluster]:
         """Start the three services with `settings` (addresses and metrics ports replaced by free
-        ones, data_dir by `data_dir`), stop them when the block ends."""
+        ones, data_dir by `data_dir`), `stores` expert stores (more than one: sharded, see above),
+        stop them when the block ends."""
         updates: dict[str, Any] = {"data_dir": data_dir}
         for name in SERVICES:
             ep = getattr(settings, name)
             port = free_port()
             updates[name] = ep.model_copy(update={"bind": f"127.0.0.1:{port}", "address": f"127.0.0.1:{port}",
                                                   "metrics_port": free_port()})
+        if stores > 1:
+            updates["inference"] = settings.inference.model_copy(update={"expert_placement": "router"})
         settings = settings.model_copy(update=updates)
         data_dir.mkdir(parents=True, exist_ok=True)
         config = data_dir / "moetier.yml"
         config.write_text(yaml.safe_dump(settings.model_dump(mode="json")))
         sup = Supervisor(data_dir / "logs", echo=lambda _: None)
         procs: dict[str, Any] = {}
+        store_id = settings.expert_store.id
+        store_metrics = {store_id: settings.expert_store.metrics_port}
         try:
             specs: list[ServiceSpec] = [s for s in service_specs(settings, model, config) if s.name in SERVICES]
+            if stores > 1:
+                specs = cls._store_specs(specs, settings, model, data_dir, stores, store_metrics)
             for spec in specs:
                 procs[spec.name] = sup.start(spec)
             for spec in specs:
                 sup.wait_healthy(spec, procs[spec.name], START_S)
-            cluster = cls(settings, sup, procs)
-            cluster.wait_registered()
+            cluster = cls(settings, sup, procs, store_metrics)
+            cluster.wait_registered(stores)
             yield cluster
         finally:
             sup.stop_all()
+
+    @staticmethod
+    def _store_specs(specs: list[ServiceSpec], settings: Settings, model: Path, data_dir: Path, n: int,
+                     store_metrics: dict[str, int]) -> list[ServiceSpec]:
+        """The one store's spec replaced by `n`, each on its own shard directory, port and id."""
+        (store,) = [s for s in specs if s.name == "expert_store"]
+        base = settings.expert_store.id
+        store_metrics.clear()
+        out = [s for s in specs if s.name != "expert_store"]
+        for i, shard in enumerate(shard_dirs(model, data_dir / "shards", n)):
+            port, metrics = free_port(), free_port()
+            address = f"127.0.0.1:{port}"
+            env = {**store.env, "MOETIER_MODEL__PATH": str(shard), "MOETIER_EXPERT_STORE__BIND": address,
+                   "MOETIER_EXPERT_STORE__ADDRESS": address, "MOETIER_EXPERT_STORE__METRICS_PORT": str(metrics),
+                   "MOETIER_EXPERT_STORE__ID": f"{base}-{i}"}
+            store_metrics[f"{base}-{i}"] = metrics
+            out.insert(1 + i, ServiceSpec(f"expert_store-{i}", store.argv, env, ["health", address],
+                                          lambda a=address: grpc_healthy(a)))  # type: ignore[misc]
+        return out
 
     @property
     def router_address(self) -> str:
         return self.settings.router.address
 
     def scrape(self, service: str) -> Sample:
-        ep = getattr(self.settings, service)
-        url = f"http://127.0.0.1:{ep.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=30) as r:
+        """A service's metrics (the expert stores': every store's, added up)."""
+        if service == "expert_store":
+            out: Sample = {}
+            for sample in self.scrape_each(service).values():
+                for k, v in sample.items():
+                    out[k] = out.get(k, 0.0) + v
+            return out
+        return self._scrape(getattr(self.settings, service).metrics_port)
+
+    def scrape_each(self, service: str) -> dict[str, Sample]:
+        """The expert stores' metrics, by store id."""
+        assert service == "expert_store"
+        return {sid: self._scrape(port) for sid, port in self.store_metrics.items()}
+
+    @staticmethod
+    def _scrape(port: int) -> Sample:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
             return parse_metrics(r.read().decode())
 
     def cpu_seconds(self) -> float:
@@ -152,12 +225,13 @@ class LocalCluster:
         """The three processes' run-queue delay (`process_wait_s`)."""
         return sum(process_wait_s(pid) for pid in self.pids.values())
 
-    def wait_registered(self, timeout_s: float = 30.0) -> None:
-        """Until the router lists a dense worker and an expert store (its /metrics says so)."""
+    def wait_registered(self, stores: int = 1, timeout_s: float = 30.0) -> None:
+        """Until the router lists a dense worker and `stores` expert stores (its /metrics says so)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             m = self.scrape("router")
-            if all(m.get(f"moetier_router_members{{kind={k}}}", 0) >= 1 for k in ("dense_worker", "expert_store")):
+            if (m.get("moetier_router_members{kind=dense_worker}", 0) >= 1
+                    and m.get("moetier_router_members{kind=expert_store}", 0) >= stores):
                 return
             time.sleep(0.1)
         raise Unavailable(f"the dense worker and expert store did not register with the router within "

@@ -45,6 +45,12 @@ and for the cluster the hops: the store's own load + kernel time of the calls, t
 trips (the difference is the RPC hop; per call too), and the client's time per token beyond
 the worker's step (the router and stream hop).
 
+With `--stores N` (N > 1) a third system runs in every round: the cluster with its experts
+sharded over N expert stores, each on a directory of its own holding the expert files of every
+N-th MoE layer (`moetier.bench._cluster.shard_dirs`), placed by the router's map; its decode
+tok/s is printed beside the one-store cluster's, with the bytes each store read from disk (per
+decode token and over the trial). Its tokens must equal the others' too.
+
 `hop_overhead` (also `ratio`): decode time per token through the cluster / through the engine,
 both requests pooled, median over rounds (each round's two trials adjacent in time). Target
 <= 1.15. The cluster's tokens must equal the engine's (temperature 0); `tokens_match` says so.
@@ -103,6 +109,8 @@ def register(sub: Any) -> None:
     p.add_argument("--copy-mb", type=int, default=512, help="size of the memory bandwidth copy (default 512 MiB)")
     p.add_argument("--no-local-lane", action="store_true", help="the dense worker calls the expert store over gRPC "
                    "only (inference.local_lane false), not over its local lane")
+    p.add_argument("--stores", type=int, default=1, help="also run the cluster with its experts sharded over this "
+                   "many expert stores, one directory each (default 1: not run)")
     p.add_argument("--probe-calls", type=int, default=100, help="ComputeExperts calls of the round-trip probe, per "
                    "transport and cluster trial (default 100)")
     p.set_defaults(func=run)
@@ -252,6 +260,9 @@ class Trial:
     start_s: float
     requests: list[Request] = field(default_factory=list)
     probe: dict[str, float] = field(default_factory=dict)  # cluster: the ComputeExperts round-trip probe
+    # sharded: per store, bytes read from disk during the requests' decode steps, and over the trial
+    store_decode_bytes: dict[str, float] = field(default_factory=dict)
+    store_bytes: dict[str, float] = field(default_factory=dict)
 
     @property
     def s_per_token(self) -> float:
@@ -275,14 +286,15 @@ class Setup:
     fio_records: int
     copy: tuple[np.ndarray, np.ndarray]
     probe_calls: int
+    stores: int = 1  # > 1: the sharded cluster runs too
 
 
 def run(args: argparse.Namespace) -> int:
     fio = find_fio("e2e", "the disk bound is measured with it")
     if fio is None:
         return 2
-    if args.tokens < 2 or args.prompt_tokens < 1 or args.rounds < 1 or args.fio_records < 1:
-        raise InvalidArgument("--tokens must be >= 2; --prompt-tokens, --rounds and --fio-records >= 1")
+    if args.tokens < 2 or args.prompt_tokens < 1 or args.rounds < 1 or args.fio_records < 1 or args.stores < 1:
+        raise InvalidArgument("--tokens must be >= 2; --prompt-tokens, --rounds, --fio-records and --stores >= 1")
     if not logging.getLogger().isEnabledFor(logging.DEBUG):
         for name in QUIET_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -290,7 +302,8 @@ def run(args: argparse.Namespace) -> int:
     root = os.geteuid() == 0
     rounds = []
     for r in range(args.rounds):
-        order = ("engine", "cluster") if r % 2 == 0 else ("cluster", "engine")
+        kinds = ("engine", "cluster", "sharded") if setup.stores > 1 else ("engine", "cluster")
+        order = kinds if r % 2 == 0 else kinds[::-1]
         row: dict[str, Trial] = {}
         for kind in order:
             row[kind] = trial(setup, kind, root)
@@ -336,7 +349,7 @@ def prepare(args: argparse.Namespace, fio: str) -> Setup:
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the pages in
     return Setup(model, settings, config, prompt, args.tokens, default_threads(), record, dense, files, fio,
-                 args.fio_records, (src, dst), args.probe_calls)
+                 args.fio_records, (src, dst), args.probe_calls, args.stores)
 
 
 def trial(s: Setup, kind: str, root: bool) -> Trial:
@@ -422,9 +435,12 @@ def _cluster_trial(s: Setup, t: Trial) -> None:
     from moetier.rpc.v1 import generate_pb2, router_pb2_grpc
 
     t0 = time.perf_counter()
-    data = Path(tempfile.mkdtemp(prefix="moetier-bench-e2e-"))
+    # beside the model: the sharded stores' directories are hard links to its files
+    data = Path(tempfile.mkdtemp(prefix="moetier-bench-e2e-", dir=s.model.parent if t.kind == "sharded" else None))
+    stores = s.stores if t.kind == "sharded" else 1
+    read = "moetier_expert_store_disk_read_bytes_total"
     try:
-        with LocalCluster.start(s.settings, s.model, data) as cluster, \
+        with LocalCluster.start(s.settings, s.model, data, stores=stores) as cluster, \
                 grpc.insecure_channel(cluster.router_address) as channel, ThreadPoolExecutor(2) as pool:
             t.start_s = time.perf_counter() - t0
             stub = router_pb2_grpc.RouterStub(channel)
@@ -436,6 +452,10 @@ def _cluster_trial(s: Setup, t: Trial) -> None:
                 store, worker = pool.map(cluster.scrape, ("expert_store", "dense_worker"))
                 return counts(at, cpu, wait, store_counts(store), worker_counts(worker))
 
+            def per_store() -> dict[str, float]:
+                return {sid: total(m, read) for sid, m in cluster.scrape_each("expert_store").items()}
+
+            at_start = per_store()
             for i in range(2):
                 req = generate_pb2.GenerateRequest(
                     request_id=f"bench-e2e-{i}", prompt_ids=s.prompt,
@@ -444,17 +464,22 @@ def _cluster_trial(s: Setup, t: Trial) -> None:
                 first: Counts | None = None
                 toks: list[int] = []
                 step_ns = 0
+                decode_from: dict[str, float] = {}
                 for m in stub.Generate(req, timeout=3600):
                     toks.extend(tok.token_id for tok in m.tokens)
                     if first is None:
                         first = now()
+                        decode_from = per_store()
                     else:  # decode steps: the worker's own clock
                         step_ns += m.timings.step_ns
                 end = now()
+                for sid, n in per_store().items():
+                    t.store_decode_bytes[sid] = t.store_decode_bytes.get(sid, 0.0) + n - decode_from.get(sid, 0.0)
                 _quiesce(lambda: cluster.scrape("expert_store").get("moetier_expert_store_loading_bytes", 0.0))
                 assert first is not None
                 t.requests.append(_request(s, t, toks, before, first, end, step_ns / 1e9))
-            if s.probe_calls > 0:
+            t.store_bytes = {sid: n - at_start.get(sid, 0.0) for sid, n in per_store().items()}
+            if s.probe_calls > 0 and t.kind == "cluster":
                 t.probe = hop_probe(cluster.settings.expert_store.address, s.probe_calls)
     finally:
         shutil.rmtree(data, ignore_errors=True)
@@ -540,7 +565,7 @@ def _system(trials: list[Trial]) -> dict[str, Any]:
             "read_wait_s": _spread([p.read_wait_s for p in d]),
             "rest_s": _spread([p.s_per_token - p.expert_s for p in d]),
         }
-        if trials[0].kind == "cluster":
+        if trials[0].kind != "engine":
             out[name]["hops"] = {
                 "worker_step_s": _spread([r.worker_step_s for r in reqs]),
                 "store_s": _spread([p.store_s for p in d]),
@@ -557,10 +582,23 @@ def _system(trials: list[Trial]) -> dict[str, Any]:
 def summarize(s: Setup, args: argparse.Namespace, rounds: list[dict[str, Any]], root: bool) -> dict[str, Any]:
     eng = [r["engine"] for r in rounds]
     clu = [r["cluster"] for r in rounds]
+    sha = [r["sharded"] for r in rounds if "sharded" in r]
     ratios = [r["cluster"].s_per_token / r["engine"].s_per_token for r in rounds]
     ref = eng[0].requests[0].tokens
-    match = all(q.tokens == ref for t in eng + clu for q in t.requests)
+    match = all(q.tokens == ref for t in eng + clu + sha for q in t.requests)
     hop = statistics.median(ratios)
+    steps = sum(len(q.tokens) - 1 for q in clu[0].requests) if clu else 1
+    sharded: dict[str, Any] = {}
+    if sha:
+        sharded = {"stores": s.stores, **_system(sha),
+                   "decode_tok_s_over_one_store": statistics.median(
+                       r["cluster"].s_per_token / r["sharded"].s_per_token for r in rounds),
+                   "read_mb_per_decode_token": {sid: _spread([t.store_decode_bytes[sid] / 1e6 / steps for t in sha])
+                                                for sid in sha[0].store_decode_bytes},
+                   "read_mb_per_trial": {sid: _spread([t.store_bytes[sid] / 1e6 for t in sha])
+                                         for sid in sha[0].store_bytes},
+                   "one_store_read_mb_per_trial": {sid: _spread([t.store_bytes[sid] / 1e6 for t in clu])
+                                                   for sid in clu[0].store_bytes}}
     return {
         "name": "e2e", "model": str(s.model), "budget": args.budget, "budget_bytes": s.config.budget_bytes,
         "policy": s.config.policy, "batch": 1, "prompt_tokens": len(s.prompt), "tokens": s.tokens,
@@ -570,16 +608,18 @@ def summarize(s: Setup, args: argparse.Namespace, rounds: list[dict[str, Any]], 
         "probe": {k: _spread([t.probe[k] for t in clu if k in t.probe]) for k in (clu[0].probe if clu else {})},
         "fio_gbps": _spread([t.fio_gbps for t in eng + clu]),
         "memory_gbps": _spread([t.memory_gbps for t in eng + clu]),
-        "engine": _system(eng), "cluster": _system(clu),
+        "engine": _system(eng), "cluster": _system(clu), **({"sharded": sharded} if sharded else {}),
         "hop_overhead": hop, "hop_overhead_rounds": ratios, "ratio": hop, "target": TARGET,
         "tokens_match": match,
-        "rounds": [{"order": r["order"], **{k: _trial_json(r[k]) for k in ("engine", "cluster")}} for r in rounds],
+        "rounds": [{"order": r["order"], **{k: _trial_json(r[k]) for k in ("engine", "cluster", "sharded") if k in r}}
+                   for r in rounds],
     }
 
 
 def _trial_json(t: Trial) -> dict[str, Any]:
     return {"fio_gbps": t.fio_gbps, "memory_gbps": t.memory_gbps, "start_s": t.start_s,
-            "s_per_token": t.s_per_token, "probe": t.probe,
+            "s_per_token": t.s_per_token, "probe": t.probe, "store_decode_bytes": t.store_decode_bytes,
+            "store_bytes": t.store_bytes,
             "requests": [{**{k: v for k, v in asdict(r).items() if k != "tokens"},
                           "decode_tok_s": r.tok_s, "bound_s": r.decode.bound_s} for r in t.requests]}
 
@@ -599,9 +639,12 @@ def _print(o: dict[str, Any]) -> None:
           f"{o['record_bytes']} = record, iodepth {o['queue_depth']}); memory {_fmt(o['memory_gbps'], f='.1f')} "
           f"GB/s (numpy copy); dense bytes per step {o['dense_step_bytes'] / 1e6:.0f} MB")
     print("figures: median [min-max] over rounds")
-    for kind in ("engine", "cluster"):
+    for kind in ("engine", "cluster", "sharded"):
+        if kind not in o:
+            continue
         sysd = o[kind]
-        print(f"\n{kind}: start {_fmt(sysd['start_s'], f='.1f')} s")
+        title = f"sharded over {sysd['stores']} expert stores" if kind == "sharded" else kind
+        print(f"\n{title}: start {_fmt(sysd['start_s'], f='.1f')} s")
         for name in ("cold", "warm"):
             r = sysd[name]
             print(f"  {name}: TTFT {_fmt(r['ttft_s'], f='.2f')} s (prompt read {_fmt(r['prefill_missed_mb'], f='.0f')} "
@@ -633,6 +676,18 @@ def _print(o: dict[str, Any]) -> None:
         print(f"\nComputeExperts round trip, 1 row, experts resident (the store's own time "
               f"{_fmt(pr['grpc_store_s'], 1e3, '.3f')} ms): gRPC {_fmt(pr['grpc_round_trip_s'], 1e3, '.3f')} ms, "
               f"of which the hop {_fmt(pr['grpc_hop_s'], 1e3, '.3f')} ms{lane}")
+    sh = o.get("sharded")
+    if sh:
+        one, two = o["cluster"], sh
+        print(f"\ndecode tok/s, {sh['stores']} stores beside 1 store: cold {_fmt(two['cold']['decode_tok_s'], f='.2f')}"
+              f" beside {_fmt(one['cold']['decode_tok_s'], f='.2f')}, warm {_fmt(two['warm']['decode_tok_s'], f='.2f')}"
+              f" beside {_fmt(one['warm']['decode_tok_s'], f='.2f')} (speed-up, decode time per token pooled: "
+              f"{sh['decode_tok_s_over_one_store']:.3f})")
+        for sid in sorted(sh["read_mb_per_trial"]):
+            print(f"  {sid}: read {_fmt(sh['read_mb_per_decode_token'][sid], f='.1f')} MB per decode token, "
+                  f"{_fmt(sh['read_mb_per_trial'][sid], f='.0f')} MB over the trial")
+        for sid in sorted(sh["one_store_read_mb_per_trial"]):
+            print(f"  one store ({sid}): {_fmt(sh['one_store_read_mb_per_trial'][sid], f='.0f')} MB over the trial")
     rounds = ", ".join(f"{x:.3f}" for x in o["hop_overhead_rounds"])
     print(f"\ntokens equal (cluster vs engine, temperature 0): {'yes' if o['tokens_match'] else 'NO'}")
     print(f"hop_overhead = cluster / engine decode time per token = {o['hop_overhead']:.3f} "

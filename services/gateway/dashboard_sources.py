@@ -34,6 +34,7 @@ class StoreRef:
     member_id: str
     address: str  # gRPC host:port
     metrics_address: str  # host:port of /metrics ("" when it serves none)
+    placed_experts: int = 0  # experts the router's placement map sends to it first
 
 
 @dataclass
@@ -45,7 +46,7 @@ class StoreHeat:
     layers: list[int] = field(default_factory=list)  # MoE layer ids, the rows of the arrays
     n_experts: int = 0  # E: columns
     counts: list[int] = field(default_factory=list)  # [L * E] row-major: times routed since start
-    tier: list[int] = field(default_factory=list)  # [L * E]: 0 RAM, 1 + d only on disks[d]
+    tier: list[int] = field(default_factory=list)  # [L * E]: 0 RAM, 1 + d only on disks[d], 255 not held
     recent: list[int] = field(default_factory=list)  # [L * E]: 1 = routed in the layer's latest call
     disks: list[str] = field(default_factory=list)
     resident_bytes: int = 0
@@ -54,14 +55,16 @@ class StoreHeat:
 
     def to_dict(self) -> dict[str, object]:
         experts_per_tier = [0] * (1 + len(self.disks))
+        held = 0
         for t in self.tier:
             if 0 <= t < len(experts_per_tier):
                 experts_per_tier[t] += 1
+                held += 1
         return {"id": self.store.member_id, "address": self.store.address, "error": self.error,
                 "layers": self.layers, "n_experts": self.n_experts, "step": self.step, "disks": self.disks,
                 "resident_bytes": self.resident_bytes, "budget_bytes": self.budget_bytes,
                 "experts_per_tier": experts_per_tier, "counts": self.counts, "tier": self.tier,
-                "recent": self.recent}
+                "recent": self.recent, "held_experts": held, "placed_experts": self.store.placed_experts}
 
     @classmethod
     def from_pb(cls, store: StoreRef, r: expert_store_pb2.HeatResponse) -> StoreHeat:
@@ -100,7 +103,7 @@ class ClusterSource:
                 router_pb2.ClusterStatusRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as e:
             raise MoetierError(f"router at {self.router_address} unreachable: {e.details() or e.code().name}") from None
-        refs = [StoreRef(m.member_id, m.address, m.metrics_address) for m in r.members
+        refs = [StoreRef(m.member_id, m.address, m.metrics_address, m.placed_experts) for m in r.members
                 if m.kind == router_pb2.MEMBER_KIND_EXPERT_STORE]
         await self._forget({s.address for s in refs})
         return sorted(refs, key=lambda s: s.member_id)

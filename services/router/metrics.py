@@ -64,6 +64,8 @@ class RouterMetrics:
         self.departures = Counter("moetier_router_member_departures",
                                   "Members dropped from the routing table, by reason.", ["reason"],
                                   registry=r)
+        self._placement = _PlacementCollector(dict, int, int)  # empty until observe_placement
+        r.register(self._placement)
         # Every label value exists from the start, so rates and dashboards see zeros, not gaps.
         for outcome in OUTCOMES:
             self.requests.labels(outcome=outcome)
@@ -84,12 +86,17 @@ class RouterMetrics:
     def observe_placement(self, placed: Callable[[], dict[str, int]], unowned: Callable[[], int],
                           version: Callable[[], int]) -> None:
         """Placement per store, read at scrape time (the set of stores changes)."""
-        self.registry.register(_PlacementCollector(placed, unowned, version))
+        self._placement.point(placed, unowned, version)
 
 
 class _PlacementCollector(Collector):
     def __init__(self, placed: Callable[[], dict[str, int]], unowned: Callable[[], int],
                  version: Callable[[], int]) -> None:
+        self.point(placed, unowned, version)
+
+    def point(self, placed: Callable[[], dict[str, int]], unowned: Callable[[], int],
+              version: Callable[[], int]) -> None:
+        """Read these at each scrape from now on."""
         self._placed, self._unowned, self._version = placed, unowned, version
 
     def collect(self) -> Iterator[Metric]:
