@@ -296,6 +296,10 @@ def test_a_cluster_across_namespaces(model: Path, tmp_path: Path) -> None:
     with cluster(model, tmp_path) as c:
         url, router, svc = c["gateway"], c["router"], c["services"]
         wait_stores(router, {"store-a", "store-b", "store-c"})
+        with grpc.insecure_channel(router) as ch:
+            status = router_pb2_grpc.RouterStub(ch).ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=5)
+        placed = {m.member_id: m.placed_experts for m in status.members if m.kind == router_pb2.MEMBER_KIND_EXPERT_STORE}
+        assert all(placed[s] > 0 for s in ("store-a", "store-b", "store-c")) and sum(placed.values()) == 16, placed
 
         # greedy chat through the gateway is the single-store output, whichever worker serves it
         with ThreadPoolExecutor(4) as pool:
