@@ -378,3 +378,24 @@ def test_a_system_that_fails_to_start_is_a_reported_failure(tmp_path: Path) -> N
     assert "exited during start-up" in trial["error"] and "no-such-model" in trial["log_tail"]
     summary = report.summarize([trial])
     assert summary["decode_tok_s"] is None and summary["failed"][0].startswith("round 1: Unavailable")
+
+
+def test_sigterm_interrupts_once_and_the_clean_up_runs_to_the_end() -> None:
+    """A second SIGTERM during the clean-up (pkill reaching `timeout` and the benchmark) is ignored."""
+    import signal
+
+    from moetier.bench.peers.sandbox import sigterm_as_interrupt
+
+    done: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), sigterm_as_interrupt():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # interrupted at once
+            done.append("not interrupted")
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # the second one
+            time.sleep(0.05)
+            done.append("clean-up finished")
+    assert done == ["clean-up finished"]
+    assert signal.getsignal(signal.SIGTERM) == before

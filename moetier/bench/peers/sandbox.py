@@ -312,8 +312,11 @@ class ReadAhead:
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM raises KeyboardInterrupt in the main thread while inside, so `finally` blocks
-    (read-ahead restore, servers stopped, cgroups removed) run on a kill too."""
+    (read-ahead restore, servers stopped, cgroups removed) run on a kill too. Later SIGTERMs
+    are ignored until it exits: `pkill` reaching both `timeout` and the benchmark sends two,
+    and the second must not cut that clean-up short (it left a llama.cpp server running)."""
     def on_term(_signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, on_term)
