@@ -94,6 +94,9 @@ class StorageSection(_Section):
     owned_experts: str = Field("all", description="The experts this store serves (its shard): `all`, or "
                                "comma-separated `LAYERS[:EXPERTS]` items, each a number or an inclusive range, e.g. "
                                "`1-9` or `1-19:0-31`. Layer files absent from the model directory are left out too.")
+    test_read_delay_file: Path | None = Field(None, description="Test only (the slow disk of `moetier chaos`): "
+                                              "a file holding seconds to sleep before each expert read, "
+                                              "re-read once a second; unset (the default): no delay.")
 
 
 class CacheSection(_Section):
@@ -212,6 +215,10 @@ class Settings(BaseSettings):
                                 "RESOURCE_EXHAUSTED.")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="Members heartbeat the router this often.")
     member_expiry_s: float = Field(5.0, gt=0, description="Router drops a member silent this long.")
+    test_clock_offset_file: Path | None = Field(None, description="Test only (the clock jumps of `moetier "
+                                                "chaos`): a file holding seconds added to the router's "
+                                                "heartbeat clock, re-read once a second; unset (the default): "
+                                                "none.")
 
     @classmethod
     def settings_customise_sources(

@@ -40,6 +40,7 @@ from moetier.errors import DataCorruption, InvalidArgument, Unavailable
 from moetier.store.buffers import Buffer, BufferPool, Holder
 from moetier.store.copies import Copy, CopyMissing, CopySet
 from moetier.store.stats import IOStats
+from moetier.testhooks import ReadDelay
 from moetier.weights.index import ExpertIndex, ExpertKey, RecordLocation
 
 log = logging.getLogger(__name__)
@@ -72,11 +73,13 @@ class IOEngine:
         probe: bool = True,
         reprobe_interval_s: float = 10.0,
         free_buffers: int | None = None,
+        read_delay: ReadDelay | None = None,
     ) -> None:
         """depth: worker threads = reads in flight at most. direct: O_DIRECT where possible
         (False: buffered). mirror_weights: placement weights, one per copy, primary first;
         without them, with mirrors, each copy's read bandwidth is probed at start-up (`probe`)
-        or all weigh the same. free_buffers: pooled idle buffers kept (default depth + 2)."""
+        or all weigh the same. free_buffers: pooled idle buffers kept (default depth + 2).
+        read_delay: test only (a slow disk, for the chaos harness): slept before every record read."""
         if depth < 1:
             raise InvalidArgument(f"I/O queue depth must be >= 1, got {depth}")
         self.index = index
@@ -90,6 +93,7 @@ class IOEngine:
         self._seq = itertools.count()
         self._stats = IOStats(depth=depth, disks=[c.stats for c in self.copies.copies])
         self._closed = False
+        self._read_delay = read_delay
         self._workers = [threading.Thread(target=self._work, name=f"moetier-io-{i}", daemon=True)
                          for i in range(depth)]
         for w in self._workers:
@@ -193,6 +197,8 @@ class IOEngine:
             del job, buf, err  # an idle worker must not keep the last record alive (buffer reuse)
 
     def _read_verified(self, key: ExpertKey, loc: RecordLocation) -> Buffer:
+        if self._read_delay is not None and (delay := self._read_delay()) > 0:
+            time.sleep(delay)
         order = self.copies.order(key, loc)
         buf = self.pool.get()
         problems: list[str] = []

@@ -43,6 +43,7 @@ from moetier.settings import Settings
 from moetier.store.compute import ComputeJob, ComputeResult, TierCompute
 from moetier.store.stats import HEAT_PINNED, HEAT_RAM, DiskStats, TierStats
 from moetier.store.tier import ExpertTier, tier_config
+from moetier.testhooks import ReadDelay
 from moetier.weights.container import Container
 from moetier.weights.index import ExpertIndex, ExpertKey
 from moetier.weights.quant import ExpertWeights, QDType, quantize
@@ -188,7 +189,9 @@ class StoreCore:
                 config.history_path.parent.mkdir(parents=True, exist_ok=True)
             self.tier = ExpertTier.open(index, config, mirrors=st.mirrors,
                                         depth=st.queue_depth, direct=st.direct_io,
-                                        mirror_weights=st.mirror_weights or None)
+                                        mirror_weights=st.mirror_weights or None,
+                                        read_delay=ReadDelay(st.test_read_delay_file)
+                                        if st.test_read_delay_file is not None else None)
             self.experts = TierCompute(self.tier, self.ops)
         except BaseException:
             self.container.close()

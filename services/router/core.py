@@ -16,6 +16,7 @@ from moetier.errors import InvalidArgument, ResourceExhausted, Unavailable
 from moetier.placement import PlacementMap
 from moetier.rpc.v1 import generate_pb2
 from moetier.settings import Settings
+from moetier.testhooks import OffsetClock
 from services.router.metrics import RouterMetrics
 from services.router.placement import Placements
 from services.router.registry import LeaveReason, LoadReport, Member, MemberInfo, MemberKind, Registry
@@ -59,7 +60,8 @@ def _outcome(exc: BaseException | None) -> str:
 
 class RouterCore:
     def __init__(self, settings: Settings) -> None:
-        self.registry = Registry(settings.heartbeat_interval_s, settings.member_expiry_s)
+        clock = OffsetClock(settings.test_clock_offset_file) if settings.test_clock_offset_file else time.monotonic
+        self.registry = Registry(settings.heartbeat_interval_s, settings.member_expiry_s, clock)
         self.scheduler = Scheduler(self.registry, settings.queue_capacity,
                                    default_max_batch=settings.inference.max_batch_size,
                                    default_max_waiting=settings.inference.max_waiting)
