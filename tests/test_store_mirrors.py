@@ -127,3 +127,39 @@ def test_read_error_on_mirror_falls_back_to_primary(tmp_path: Path, index: Exper
         assert s.disks[1].errors == 1 and s.disks[1].state == "degraded" and s.fallbacks == 1
         eng.read([(1, 5)])  # degraded: the primary serves everything until the re-check
         assert eng.stats().disks[1].reads == 0
+
+
+def test_an_unreadable_mirror_directory_degrades_at_start_instead_of_failing_it(tmp_path: Path,
+                                                                                index: ExpertIndex) -> None:
+    """Found by `moetier chaos` (mirror-unreadable): a mirror directory of mode 000 made the store's
+    start fail (PermissionError looking for its experts/ folder). Run in a process that obeys file
+    permissions (as root: without the DAC capabilities)."""
+    import os
+    import subprocess
+    import sys
+
+    m = tmp_path / "mirror"
+    shutil.copytree(index.root, m)
+    m.chmod(0)
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root without setpriv: root reads a mode-000 directory anyway")
+        prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+    script = (
+        "import json, sys\n"
+        "from moetier.store.io import IOEngine\n"
+        "from moetier.weights.index import ExpertIndex\n"
+        "index = ExpertIndex.load(sys.argv[1])\n"
+        "with IOEngine(index, depth=2, mirrors=[sys.argv[2]], mirror_weights=[1.0, 1.0]) as eng:\n"
+        "    got = eng.read(list(index.records))\n"
+        "    d = eng.stats().disks[1]\n"
+        "    print(json.dumps({'read': len(got), 'state': d.state, 'files': d.files}))\n")
+    try:
+        r = subprocess.run([*prefix, sys.executable, "-c", script, str(index.root), str(m)], capture_output=True,
+                           text=True, timeout=120)
+    finally:
+        m.chmod(0o755)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"read": len(index.records), "state": "degraded",
+                                                            "files": 0}

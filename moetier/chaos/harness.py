@@ -64,6 +64,7 @@ class Row:
     failures: list[str] = field(default_factory=list)  # what went wrong, for wrong / hung / tokens
     skipped: str | None = None
     seconds: float = 0.0
+    persisted: int = 0  # prefix-cache entries (+ 1 for a usage history) on disk before the fault
 
     @property
     def bad(self) -> bool:
@@ -146,7 +147,8 @@ class Probe:
         return None
 
 
-async def _healthy(cluster: ChaosCluster) -> None:
+async def healthy(cluster: ChaosCluster, idle: bool = True) -> None:
+    """Every service up and the cluster serving; `idle`: and no request running on the worker."""
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, cluster.start_all)
     deadline = time.monotonic() + 60
@@ -162,12 +164,12 @@ async def _healthy(cluster: ChaosCluster) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("the cluster does not serve after 60 s")
         await asyncio.sleep(0.5)
-    while (await loop.run_in_executor(None, worker_load, cluster)).running:
+    while idle and (await loop.run_in_executor(None, worker_load, cluster)).running:
         await asyncio.sleep(0.2)
 
 
 async def reference_run(cluster: ChaosCluster, plan: Plan) -> tuple[dict[str, str], Row]:
-    await _healthy(cluster)
+    await healthy(cluster)
     specs = workload(plan.during + plan.after)
     row = Row("none (reference)")
     t0 = time.monotonic()
@@ -184,6 +186,23 @@ async def reference_run(cluster: ChaosCluster, plan: Plan) -> tuple[dict[str, st
     return ref, row
 
 
+async def inject_restore(ctx: Ctx, faults: list[Fault], hold_s: float) -> None:
+    """Inject, hold, restore; a step that raises (a service that does not start again, say) is a
+    failed check of the case, and the restoration runs whatever happened."""
+    def note(step: str, results: list[Any], which: list[Fault]) -> None:
+        for f, r in zip(which, results, strict=True):
+            if isinstance(r, BaseException):
+                ctx.check(f"{f.name}: {step}", False, f"{type(r).__name__}: {r}")
+
+    try:
+        note("injected", await asyncio.gather(*(f.inject(ctx) for f in faults), return_exceptions=True), faults)
+        await asyncio.sleep(hold_s)
+    finally:
+        which = [f for f in faults if f.restore is not None]
+        note("restored", await asyncio.gather(*(f.restore(ctx) for f in which if f.restore is not None),
+                                              return_exceptions=True), which)
+
+
 async def run_case(cluster: ChaosCluster, faults: list[Fault], reference: dict[str, str], plan: Plan) -> Row:
     row = Row(" + ".join(f.name for f in faults))
     for f in faults:
@@ -191,18 +210,18 @@ async def run_case(cluster: ChaosCluster, faults: list[Fault], reference: dict[s
             row.skipped = why
             return row
     t_start = time.monotonic()
-    await _healthy(cluster)
+    await healthy(cluster)
     ctx = Ctx(cluster)
     ctx.state["kv_baseline"] = (await asyncio.get_running_loop().run_in_executor(None, worker_load, cluster)).kv_bytes
     before = Persisted.read(cluster.prefix_dir, cluster.history_path)
+    row.persisted = len(before.entries) + (before.history is not None)
     allowed: frozenset[int | str] = frozenset().union(*(f.allowed for f in faults))
+    ctx.allowed, ctx.alone = allowed, len(faults) == 1
     during, after = workload(plan.during), workload(plan.after, plan.during)
     hold = max(f.hold_s for f in faults)
 
     async def inject_and_restore(probe: Probe) -> None:
-        await asyncio.gather(*(f.inject(ctx) for f in faults))
-        await asyncio.sleep(hold)
-        await asyncio.gather(*(f.restore(ctx) for f in faults if f.restore is not None))
+        await inject_restore(ctx, faults, hold)
         probe.restored_at = time.monotonic()
 
     pre = [f for f in faults if f.before]
@@ -272,7 +291,11 @@ async def run_matrix(root: Path, cases: list[list[Fault]], plan: Plan,
         echo(format_row(ref_row))
         rows = [ref_row]
         for case in cases:
-            row = await run_case(cluster, case, reference, plan)
+            try:
+                row = await run_case(cluster, case, reference, plan)
+            except Exception as e:  # the harness could not run the case: a failure of it, then the next
+                row = Row(" + ".join(f.name for f in case), recovery_s=None)
+                row.checks.append({"check": "the case ran", "passed": False, "detail": f"{type(e).__name__}: {e}"})
             rows.append(row)
             echo(format_row(row))
     finally:

@@ -13,7 +13,7 @@ from moetier.settings import Settings
 
 _SERVICE = ("data_dir", "heartbeat_interval_s", "member_expiry_s", "router")
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "router": ("router", "queue_capacity", *_SERVICE),
+    "router": ("router", "queue_capacity", "test_clock_offset_file", *_SERVICE),
     "dense-worker": ("model", "inference", "kernels", "dense_worker", "expert_store", *_SERVICE),
     "expert-store": ("model", "storage", "cache", "kernels", "expert_store", *_SERVICE),
     "gateway": ("model", "gateway", *_SERVICE),

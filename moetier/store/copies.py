@@ -67,8 +67,13 @@ class Copy:
 
 
 def experts_dir(path: Path) -> Path:
-    """A mirror may be given as a container directory or as its experts/ folder."""
-    return path / "experts" if (path / "experts").is_dir() else path
+    """A mirror may be given as a container directory or as its experts/ folder. One that cannot
+    even be looked into (no permission) is taken as given: its validation then finds no file
+    and degrades it, where an exception here would stop the store from starting."""
+    try:
+        return path / "experts" if (path / "experts").is_dir() else path
+    except OSError:
+        return path
 
 
 def open_record_file(path: Path, direct: bool) -> tuple[int, bool, str]:
