@@ -147,6 +147,29 @@ class Probe:
         return None
 
 
+def _disks_ok(text: str) -> bool:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("moetier_expert_store_disk_ok{")]
+    return bool(values) and all(v == 1.0 for v in values)
+
+
+async def mirrors_back(cluster: ChaosCluster, within_s: float = 90.0) -> None:
+    """Wait until every copy of the experts serves again. A degraded mirror is re-validated by
+    the first read that considers it after the store's re-check interval (10 s): requests with
+    prompts of their own make the store read (its RAM tier holds a quarter of the experts)."""
+    deadline = time.monotonic() + within_s
+    n = 0
+    async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as client:
+        while not _disks_ok((await client.get(cluster.metrics_url("expert_store"))).text):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a copy of the experts still degraded after {within_s:.0f} s")
+            n += 1
+            words = " ".join(str((n * 7919 + k * 104729) % 100003) for k in range(12))
+            await client.post("/v1/completions", json={"model": MODEL, "max_tokens": 8, "temperature": 0,
+                                                       "prompt": f"Warm the copies {n}: {words}"})
+            await asyncio.sleep(0.2)
+
+
 async def healthy(cluster: ChaosCluster, idle: bool = True) -> None:
     """Every service up and the cluster serving; `idle`: and no request running on the worker."""
     loop = asyncio.get_running_loop()
@@ -164,6 +187,7 @@ async def healthy(cluster: ChaosCluster, idle: bool = True) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("the cluster does not serve after 60 s")
         await asyncio.sleep(0.5)
+    await mirrors_back(cluster)
     while idle and (await loop.run_in_executor(None, worker_load, cluster)).running:
         await asyncio.sleep(0.2)
 
