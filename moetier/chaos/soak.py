@@ -170,7 +170,7 @@ async def run_soak(root: Path, duration_s: float, window_s: float = 300.0, fault
 
 def _classify(d: Done, faults: list[FaultRun], known: dict[str, Fault], end: float) -> str:
     o = d.outcome
-    if o.kind in ("ok", "hung"):
+    if o.kind in ("ok", "hung", "wrong"):  # wrong whatever the fault: no envelope, a silent cut...
         return o.kind
     for run in faults:
         until = (run.until if run.until is not None else end) + GRACE_S
