@@ -29,6 +29,16 @@ class Unavailable(MoetierError):
     """A dependency is down or timed out (gRPC UNAVAILABLE / DEADLINE_EXCEEDED, HTTP 503)."""
 
 
+class RowsUnavailable(Unavailable):
+    """Some rows of a layer call cannot be computed (their experts have no live owner among the
+    expert stores); the other rows could be. `rows`: their indexes in the call's rows, so the
+    caller fails only the requests those rows belong to."""
+
+    def __init__(self, message: str, rows: frozenset[int]) -> None:
+        super().__init__(message)
+        self.rows = rows
+
+
 class DataCorruption(MoetierError):
     """Stored bytes failed their checksum and no valid copy exists (gRPC DATA_LOSS)."""
 

@@ -12,9 +12,11 @@ bridge by a veth of its own) checks that
 - greedy chat through the gateway equals the single-store output (the in-process engine's,
   which tests/test_cluster_e2e.py holds equal to one store's);
 - requests spread over both workers, and killing one worker mid-stream fails only its streams;
+- killing store a mid-stream (c alive) fails only streams that need layer 1's experts 4-7, with
+  UNAVAILABLE naming the layer and the experts; the others finish with the single-store text;
 - killing store c mid-stream fails no request (a and b own every expert it had);
-- killing a too fails every request (layer 1's experts 4-7 have no owner) with UNAVAILABLE naming
-  the layer and the experts, within the deadline;
+- killing a too fails every request (layer 1's experts 4-7 have no owner) with the message,
+  within the deadline;
 - a restarted a is taken back into the placement map, and output is the single-store one again.
 
 Made and removed by the test itself, as root; skipped with the reason where namespaces cannot be
@@ -206,7 +208,7 @@ def cluster(model: Path, tmp: Path) -> Iterator[dict[str, Any]]:
             ("router", 2), ("gateway", 3), ("wk0", 10), ("wk1", 11), ("sta", 20), ("stb", 21), ("stc", 22))}
         router = f"{hosts['router'][1]}:50051"
         common = {"MOETIER_ROUTER__ADDRESS": router, "MOETIER_HEARTBEAT_INTERVAL_S": "0.2",
-                  "MOETIER_MEMBER_EXPIRY_S": "2", "MOETIER_CACHE__POLICY": "lru",
+                  "MOETIER_MEMBER_EXPIRY_S": "10", "MOETIER_CACHE__POLICY": "lru",
                   "MOETIER_MODEL__EXPERT_CACHE": "100%", "MOETIER_INFERENCE__EXPERT_PLACEMENT": "router",
                   "MOETIER_INFERENCE__EXPERT_TIMEOUT_S": "20", "MOETIER_GATEWAY__REQUEST_TIMEOUT_S": "120"}
         files = sorted(p.name for p in (model / "experts").glob("*.bin"))
@@ -274,6 +276,9 @@ def chat(url: str, messages: list[dict[str, str]], max_tokens: int, stream: bool
             return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
         text, failed = [], ""
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:  # failed before its first token: an error body, not a stream
+                r.read()
+                return r.status_code, r.text
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -306,18 +311,30 @@ def test_a_cluster_across_namespaces(model: Path, tmp_path: Path) -> None:
             got = list(pool.map(lambda p: chat(url, p, n), PROMPTS))
         assert got == [(200, w) for w in want]
 
+        def streams_killing(victim: str) -> list[tuple[int, str]]:
+            """Every prompt streamed at once; `victim` killed when the first one has its first chunk."""
+            done = [False]
+
+            def kill() -> None:
+                if not done[0]:
+                    done[0] = True
+                    svc[victim].kill()
+
+            with ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(chat, url, p, n, True, kill if i == 0 else None) for i, p in enumerate(PROMPTS)]
+                return [f.result() for f in futures]
+
+        # a dies mid-stream while c lives: a stream whose layer-1 experts c also owns (0-3) goes
+        # on, bit for bit; one that needs 4-7 fails, naming them -- none hangs, none is wrong
+        for (status, text), w in zip(streams_killing("sta"), want, strict=True):
+            assert (status, text) == (200, w) or (status == 503 and "layer 1" in text
+                                                  and "no live expert store holds experts" in text), text
+        svc["sta"].start()
+        svc["sta"].wait_healthy()
+        wait_stores(router, {"store-a", "store-b", "store-c"})
+
         # c dies mid-stream: a and b own every expert it had, so no stream fails
-        with ThreadPoolExecutor(4) as pool:
-            first = [False]
-
-            def kill_c() -> None:
-                if not first[0]:
-                    first[0] = True
-                    svc["stc"].kill()
-
-            streams = [pool.submit(chat, url, p, n, True, kill_c if i == 0 else None) for i, p in enumerate(PROMPTS)]
-            got = [f.result() for f in streams]
-        assert got == [(200, w) for w in want]
+        assert streams_killing("stc") == [(200, w) for w in want]
 
         # a dies too: layer 1's experts have no owner left; every request fails, naming them
         svc["sta"].kill()

@@ -19,8 +19,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from moetier.errors import Unavailable
 from moetier.prefix import block_hashes
-from moetier.rpc.errors import RETRY_AFTER_KEY
+from moetier.rpc.errors import RETRY_AFTER_KEY, rpc_errors
 from moetier.rpc.v1 import dense_worker_pb2, dense_worker_pb2_grpc, generate_pb2, router_pb2, router_pb2_grpc
 from moetier.settings import Settings, load_settings
 from services.router.server import SERVICE_NAME, RouterServer, create_server
@@ -43,8 +44,9 @@ def router_settings(**top: Any) -> Settings:
 
 
 class FakeWorker(dense_worker_pb2_grpc.DenseWorkerServicer):
-    def __init__(self, tokens: int = 3, delay_s: float = 0.0) -> None:
+    def __init__(self, tokens: int = 3, delay_s: float = 0.0, fail_after_first: str | None = None) -> None:
         self.tokens = tokens
+        self.fail_after_first = fail_after_first  # the worker itself fails the request after its first token
         self.delay_s = delay_s
         self.gate: asyncio.Event | None = None  # when set up, streams wait for it after the first message
         self.requests: list[generate_pb2.GenerateRequest] = []
@@ -66,6 +68,9 @@ class FakeWorker(dense_worker_pb2_grpc.DenseWorkerServicer):
                     await asyncio.sleep(self.delay_s)
                 if i == 1 and self.gate is not None:
                     await self.gate.wait()
+                if i == 1 and self.fail_after_first is not None:
+                    async with rpc_errors(context, "Generate"):
+                        raise Unavailable(self.fail_after_first)
                 last = i == self.tokens - 1
                 yield generate_pb2.GenerateResponse(
                     tokens=[generate_pb2.GeneratedToken(token_id=100 + i)],
@@ -410,6 +415,20 @@ async def test_cancel_while_queued_leaves_the_queue(router: Harness) -> None:
     w.fake.gate.set()
     assert len(await drain(running)) == 2
     assert len(w.fake.requests) == 1
+
+
+async def test_a_worker_that_fails_a_request_itself_stays_in_the_table(router: Harness) -> None:
+    """UNAVAILABLE from the worker's own servicer (the request's experts have no live store) is the
+    request's error, not the worker's death: the caller gets the message, the worker stays."""
+    await router.add_worker("a", fail_after_first="layer 1: no live expert store holds experts [5]")
+    call = router.generate([1, 2, 3])
+    assert (await call.read()).worker_id == "a"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await drain(call)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "layer 1: no live expert store holds experts [5]" in (e.value.details() or "")
+    assert [m.member_id for m in (await router.status()).members] == ["a"]
+    assert router.metric("moetier_router_member_departures_total", reason="failed") == 0
 
 
 async def test_worker_killed_mid_stream_fails_fast_and_leaves_table(router: Harness) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from moetier.convert import synth
-from moetier.errors import InvalidArgument, Unavailable
+from moetier.errors import InvalidArgument, RowsUnavailable, Unavailable
 from moetier.placement import ExpertRange, PlacementMap, StoreEntry, from_ranges, parse_owned, to_ranges
 from moetier.rpc.tensors import from_pb, to_pb
 from moetier.rpc.v1 import expert_store_pb2 as pb
@@ -230,6 +230,8 @@ async def test_sharded_stores_give_one_stores_bits_survive_a_death_and_take_a_st
                         assert got.tobytes() == out.tobytes(), f"layer {layer} batch {n} differs"
 
                 await all_equal()
+                if hasattr(os, "memfd_create"):  # stores on this host: every call went over their local lanes
+                    assert all(c._lane is not None for c in sharded._stores.values())
                 calls = sharded.stats.calls
                 assert calls > len(want)  # some layers' unions went to two stores
                 status = rtr.core.status()
@@ -244,20 +246,30 @@ async def test_sharded_stores_give_one_stores_bits_survive_a_death_and_take_a_st
                 await all_equal()
                 assert sharded.stats.failed_calls > failed
 
-                # a dies too: layer 1's experts 4-7 have no owner left; layer 2 still computes
+                # c comes back, then a dies: layer 1's experts 0-3 have an owner (c), 4-7 none. The
+                # rows needing 4-7 are named (the worker fails only their requests); a batch that
+                # needs only 0-3 computes, bit for bit; layer 2 still computes
+                stores["c"] = running_store(model, tmp_path, "c", SHARDS["c"], router=f"127.0.0.1:{rport}")
+                await stores["c"].__aenter__()
+                await eventually(lambda: _n_stores(rport, 3))
                 await stores.pop("a").__aexit__(None, None, None)
-                await eventually(lambda: _n_stores(rport, 1))
+                await eventually(lambda: _n_stores(rport, 2))
                 x, ids, w = batches[3]
-                with pytest.raises(Unavailable) as e:
-                    await asyncio.to_thread(sharded.moe, 1, x, np.full_like(ids, 5), w)
-                assert "layer 1" in str(e.value) and "experts [5]" in str(e.value)
+                with pytest.raises(RowsUnavailable) as e:
+                    await asyncio.to_thread(sharded.moe, 1, x, ids, w)
+                assert e.value.rows == frozenset(np.flatnonzero((ids >= 4).any(axis=1)).tolist())
+                assert "layer 1: no live expert store holds experts [" in str(e.value)
+                assert all(str(k) in str(e.value) for k in np.unique(ids[ids >= 4]))
+                low = np.where(ids >= 4, ids - 4, ids).astype(np.int32)  # rows still distinct experts
+                got = await asyncio.to_thread(sharded.moe, 1, x, low, w)
+                assert got.tobytes() == (await asyncio.to_thread(reference.moe, 1, x, low, w)).tobytes()
                 got = await asyncio.to_thread(sharded.moe, 2, *batches[3])
                 assert got.tobytes() == want[(2, 3)].tobytes()
 
                 # a comes back: it is taken into the map and layer 1 computes again
                 stores["a"] = running_store(model, tmp_path, "a", SHARDS["a"], router=f"127.0.0.1:{rport}")
                 await stores["a"].__aenter__()
-                await eventually(lambda: _n_stores(rport, 2))
+                await eventually(lambda: _n_stores(rport, 3))
                 await eventually(lambda: _computes(sharded, 1, batches[0]))
                 await all_equal()
             finally:
@@ -279,3 +291,21 @@ async def _computes(sharded: ShardedExperts, layer: int, b: tuple[np.ndarray, np
     except Unavailable:
         return False
     return True
+
+
+def test_a_step_fails_only_the_sequences_of_the_rows_without_an_owner() -> None:
+    """The batcher's side of RowsUnavailable: rows are the step's, sequence by sequence."""
+    from typing import cast
+
+    from services.dense_worker.batcher import Batcher, Sequence, StepTimings, _Result
+
+    seqs = [cast(Sequence, object()) for _ in range(3)]
+    rows = [(seqs[0], np.zeros(4, dtype=np.int64)), (seqs[1], np.zeros(1, dtype=np.int64)),
+            (seqs[2], np.zeros(2, dtype=np.int64))]  # rows 0-3, 4, 5-6
+
+    def result(error: BaseException) -> _Result:
+        return _Result(rows, [], [], cast(StepTimings, None), error)
+
+    assert Batcher._failed_by(result(RowsUnavailable("x", frozenset({4, 6})))) == [seqs[1], seqs[2]]
+    assert Batcher._failed_by(result(RowsUnavailable("x", frozenset({3})))) == [seqs[0]]
+    assert Batcher._failed_by(result(Unavailable("store down"))) == seqs  # not row-wise: every sequence

@@ -689,6 +689,7 @@ def _print(o: dict[str, Any]) -> None:
         for sid in sorted(sh["one_store_read_mb_per_trial"]):
             print(f"  one store ({sid}): {_fmt(sh['one_store_read_mb_per_trial'][sid], f='.0f')} MB over the trial")
     rounds = ", ".join(f"{x:.3f}" for x in o["hop_overhead_rounds"])
-    print(f"\ntokens equal (cluster vs engine, temperature 0): {'yes' if o['tokens_match'] else 'NO'}")
+    vs = "cluster and sharded cluster vs engine" if sh else "cluster vs engine"
+    print(f"\ntokens equal ({vs}, temperature 0): {'yes' if o['tokens_match'] else 'NO'}")
     print(f"hop_overhead = cluster / engine decode time per token = {o['hop_overhead']:.3f} "
           f"(rounds: {rounds})   target <= {o['target']}")

@@ -3,7 +3,8 @@
 Servicers wrap their bodies in `rpc_errors(context)`: a MoetierError becomes its
 status code with the message; anything else becomes INTERNAL with a generic
 message (the traceback is logged, never sent). Clients turn an AioRpcError back
-into the matching MoetierError with `from_rpc_error`.
+into the matching MoetierError with `from_rpc_error`; `answered` tells an error the server
+raised itself from one of reaching it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ from moetier.errors import (
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_KEY = "retry-after-ms"
+# Trailing metadata of every error a moetier servicer raised itself (the error class's name): the
+# service is up and answered, so an UNAVAILABLE carrying it means "a dependency of the request is
+# down" (say its expert store), not "the service is gone" (a connection refused or reset has none).
+ANSWERED_KEY = "moetier-error"
+
+
+def answered(e: grpc.RpcError) -> bool:
+    """The server itself failed the call (`rpc_errors`), as opposed to the call not reaching it."""
+    meta = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    return any(k == ANSWERED_KEY for k, _ in (meta or ()))
 
 _TO_CODE: list[tuple[type[MoetierError], grpc.StatusCode]] = [
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
@@ -49,8 +60,10 @@ async def rpc_errors(context: grpc.aio.ServicerContext, what: str) -> AsyncItera
     try:
         yield
     except MoetierError as e:
+        meta: tuple[tuple[str, str], ...] = ((ANSWERED_KEY, type(e).__name__),)
         if isinstance(e, ResourceExhausted):
-            context.set_trailing_metadata(((RETRY_AFTER_KEY, str(int(e.retry_after_s * 1000))),))
+            meta += ((RETRY_AFTER_KEY, str(int(e.retry_after_s * 1000))),)
+        context.set_trailing_metadata(meta)
         await context.abort(status_code(e), str(e))
     except grpc.aio.AbortError:
         raise

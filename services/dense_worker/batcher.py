@@ -32,7 +32,9 @@ The loop, at every step boundary:
          step as many tokens per sequence as `moetier.speculation.Controller` finds pay;
   3. streams the tokens to their callers and retires finished sequences.
 A step that fails (expert store down or slow past its deadline) fails the sequences in
-it with that error; the others carry on. The kernels are row-invariant, so neither the
+it with that error; the others carry on. Where the expert provider names the rows it could not
+compute (sharded stores: experts with no live owner, `RowsUnavailable`), only those rows'
+sequences fail, and the rest are stepped again (a failed forward commits no KV). The kernels are row-invariant, so neither the
 batch a sequence shares nor how its prompt was chunked changes a bit of its output.
 """
 
@@ -51,7 +53,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from moetier.errors import InvalidArgument, ResourceExhausted, Unavailable
+from moetier.errors import InvalidArgument, ResourceExhausted, RowsUnavailable, Unavailable
 from moetier.model.forward import Model
 from moetier.model.kv_cache import KVCache
 from moetier.model.sampling import SampledToken, Sampler, SamplingParams
@@ -305,12 +307,26 @@ class Batcher:
             self._retire(seq, "failed")
             seq._put(error)
 
+    @staticmethod
+    def _failed_by(r: _Result) -> list[Sequence]:
+        """The sequences a failed step fails: all of them, or where the expert provider named the
+        rows it could not compute (experts with no live owner), only those rows' sequences; the
+        others computed nothing this step (their KV was not committed) and are stepped again."""
+        if not isinstance(r.error, RowsUnavailable):
+            return [seq for seq, _ in r.rows]
+        out, start = [], 0
+        for seq, t in r.rows:
+            if any(start <= row < start + len(t) for row in r.error.rows):
+                out.append(seq)
+            start += len(t)
+        return out
+
     def _deliver(self, r: _Result) -> None:
         for query, hit in r.lookups:
             self.metrics.prefix_query.inc(query)
             self.metrics.prefix_hit.inc(hit)
         if r.error is not None:
-            for seq, _ in r.rows:
+            for seq in self._failed_by(r):
                 self._fail(seq, r.error)
         now = time.monotonic()
         for seq, tok, reason in r.sampled:

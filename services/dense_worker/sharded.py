@@ -17,7 +17,8 @@ until the call's deadline (`timeout_s` from the layer's start). Experts with no 
 fail the step at once with Unavailable naming the layer and the experts. The map is polled
 from the router (`Router.Placement`) every `refresh_s` by a thread of its own, and fetched
 again when a layer finds an expert without a live owner, so a store that joins or comes back
-takes its share within a poll.
+takes its share within a poll. The error names the rows that need the missing experts
+(`RowsUnavailable`): the batcher fails only their requests and steps the others again.
 
 Legend: T = rows, D = hidden, K = experts per row.
 """
@@ -34,7 +35,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from moetier.errors import MoetierError, NotFound, Unavailable
+from moetier.errors import MoetierError, NotFound, RowsUnavailable, Unavailable
 from moetier.model.ops import combine_slots
 from moetier.placement import ExpertRange, PlacementMap, StoreEntry
 from moetier.rpc.errors import from_rpc_error
@@ -147,7 +148,8 @@ class ShardedExperts:
         self.step = 0
         self._stores: dict[str, RemoteExperts] = {}  # member_id -> its client (for the map's address)
         self._retired = RemoteStats()  # counters of clients closed since (their store left or moved)
-        self._down: dict[str, float] = {}  # member_id -> monotonic time it may be tried again
+        # member_id -> (monotonic time it may be tried again, the address that failed)
+        self._down: dict[str, tuple[float, str]] = {}
         self._version = -1  # map version the clients were last reconciled with
         self._retired_calls: deque[float] = deque()  # round trips of closed clients, not yet read
 
@@ -171,8 +173,9 @@ class ShardedExperts:
         if missing:  # a store may have joined since the last poll
             pmap = self._current(refresh=True)
             assign, missing = pmap.assign(layer, union.tolist(), self._down_now())
-        if missing:
-            raise Unavailable(self._no_owner(pmap, layer, missing))
+        if missing:  # the rows needing these fail; the caller may step the others again
+            rows = np.flatnonzero(np.isin(ids, np.asarray(missing, dtype=ids.dtype)).any(axis=1))
+            raise RowsUnavailable(self._no_owner(pmap, layer, missing), frozenset(rows.tolist()))
         remaining = max(deadline - time.monotonic(), 1e-3)
         parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall]] = []
         try:
@@ -201,7 +204,8 @@ class ShardedExperts:
     def _retry_start(self, layer: int, x: F32, ids: I32, weights: F32, deadline: float, failed: str,
                      error: MoetierError) -> _ShardedCall:
         """The layer again without `failed`, while its deadline lasts."""
-        self._down[failed] = time.monotonic() + self.down_s
+        client = self._stores.get(failed)
+        self._down[failed] = (time.monotonic() + self.down_s, client.address if client is not None else "")
         if time.monotonic() >= deadline:
             raise Unavailable(f"layer {layer}: expert store {failed} failed ({error}) and the call's deadline "
                               f"({self.timeout_s:g} s) is over") from None
@@ -227,7 +231,7 @@ class ShardedExperts:
     # ---- stores --------------------------------------------------------------------
     def _down_now(self) -> frozenset[str]:
         now = time.monotonic()
-        for store in [s for s, until in self._down.items() if until <= now]:
+        for store in [s for s, (until, _) in self._down.items() if until <= now]:
             del self._down[store]
         return frozenset(self._down)
 
@@ -252,8 +256,8 @@ class ShardedExperts:
             if where.get(store) != client.address:
                 del self._stores[store]
                 self._retire(client)
-        for store in [s for s in self._down if s not in where]:
-            del self._down[store]  # a store that comes back is a new member: try it at once
+        for store in [s for s, (_, address) in self._down.items() if where.get(s) != address]:
+            del self._down[store]  # gone from the map, or back at another address: try it at once
         self._version = pmap.version
 
     def _retire(self, client: RemoteExperts) -> None:

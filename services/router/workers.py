@@ -3,7 +3,9 @@
 A worker call that fails with UNAVAILABLE or CANCELLED (the connection went away, the
 worker stopped, or its channel was closed because it left the cluster) raises
 WorkerGone (an Unavailable) at once and drops the worker from the routing table until
-it registers again. Every other worker error reaches the caller with its own status
+it registers again -- unless the worker itself failed the request (`answered`: say with
+UNAVAILABLE because experts of the request have no live store, or because it is stopping): it
+stays in the table, and the request, if nothing was relayed yet, is tried elsewhere as well. Every other worker error reaches the caller with its own status
 (RESOURCE_EXHAUSTED keeps its retry hint).
 """
 
@@ -16,7 +18,7 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from moetier.errors import Unavailable
-from moetier.rpc.errors import from_rpc_error
+from moetier.rpc.errors import answered, from_rpc_error
 from moetier.rpc.v1 import dense_worker_pb2_grpc, generate_pb2
 from services.router.registry import LeaveReason, Member, Registry
 from services.router.scheduler import Lease
@@ -87,8 +89,8 @@ class WorkerClients:
                 log.warning("dense worker %s failed request %s: %s %s", member_id, request.request_id,
                             e.code().name, e.details())
                 current = self._registry.get(member_id)
-                if current is not None and current.info.address == lease.member.info.address:
-                    self._registry.remove(member_id, "failed")
+                if current is not None and current.info.address == lease.member.info.address and not answered(e):
+                    self._registry.remove(member_id, "failed")  # it did not answer: gone
                 raise WorkerGone(f"dense worker {member_id}: {e.details() or e.code().name}") from None
             raise from_rpc_error(e, f"dense worker {member_id}") from None
         except asyncio.CancelledError:
