@@ -38,7 +38,7 @@ from moetier.weights.quant import ExpertWeights, QTensor, quantize
 from moetier.weights.schema import dense_shapes, expert_shapes
 
 ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm_moe_dsa",
-         "deepseek_v32", "minimax_m2")
+         "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5_moe")
 DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")
 SYNTH_MODULE = "moetier.convert.synth"
 HELPER_GENERATOR = "tests/helpers_hf.py"
@@ -132,6 +132,26 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "router_jitter_noise": 0.0, "rotary_dim": 4,
         "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0},
     },
+    # layer kinds from full_attention_interval (no layer_types), a dense layer, top-k unnormalised,
+    # three value heads per key head, half of each attention head rotated, attention biases
+    "qwen3_next": {
+        "model_type": "qwen3_next", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "intermediate_size": 64, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "mlp_only_layers": [0], "attention_bias": False, "rms_norm_eps": 1e-6, "full_attention_interval": 2,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
+    # the text model of Qwen3.5-MoE: every layer MoE, top-k always renormalised, another conv width
+    "qwen3_5_moe": {
+        "model_type": "qwen3_5_moe_text", "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 16, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        "num_experts": 16, "num_experts_per_tok": 4, "rms_norm_eps": 1e-6, "linear_conv_kernel_dim": 3,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2, "layer_types": ["linear_attention", "full_attention"] * 2,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    },
     "olmoe": {
         "model_type": "olmoe", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
         "intermediate_size": 32, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False,
@@ -165,8 +185,9 @@ def write_tiny_checkpoint(arch: str, out_dir: Path, seed: int, overrides: dict[s
     args = adapter.model_args(cfg)
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {}
-    for name, shape in dense_shapes(args).items():
-        tensors[adapter.source_name(name)] = _value(rng, name, shape)
+    canonical = {name: _value(rng, name, shape) for name, shape in dense_shapes(args).items()}
+    for src, parts in adapter.source_tensors(list(canonical), args):
+        tensors[src] = adapter.to_source(src, {n: canonical[n] for n in parts}, args)
     for layer in args.moe_layer_ids:
         for e in range(args.n_routed_experts):
             for part, shape in expert_shapes(args).items():
@@ -270,7 +291,8 @@ def load_checkpoint_mtp(ckpt: Path, with_mtp: bool = True) -> tuple[
             target = adapter.target(name, args, n_mtp)
             a = np.asarray(arr, dtype=np.float32)
             if isinstance(target, Dense):
-                (mtp if target.name.startswith("mtp.") else dense)[target.name] = quantize(a, "f32")
+                for cname, x in adapter.fix(target.name, a, args):
+                    (mtp if cname.startswith("mtp.") else dense)[cname] = quantize(np.ascontiguousarray(x), "f32")
             elif isinstance(target, Expert):
                 parts.setdefault((target.layer, target.expert), {})[target.part] = a
             elif isinstance(target, FusedExperts):
@@ -342,7 +364,7 @@ class IndexGaps:
         self._torch = torch
         self._inside = False
         for layer in model.model.layers:
-            ix = getattr(layer.self_attn, "indexer", None)
+            ix = getattr(getattr(layer, "self_attn", None), "indexer", None)
             if ix is not None:
                 ix.forward = self._wrap(ix.forward)
         real = torch.Tensor.topk

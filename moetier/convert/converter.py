@@ -319,18 +319,24 @@ class Converter:
                         # shared expert for n_shared_experts = 0): nothing to convert
                         self._advance(info.nbytes, bar)
                         continue
-                    if want is None:
-                        raise ConversionError(f"{where} ({target.name}) is not part of this {args.arch} {whole}")
-                    _check_shape(where, info.shape, want)
-                    if target.name in seen_dense:
-                        raise ConversionError(f"{where}: {target.name} appears twice in the checkpoint")
-                    seen_dense.add(target.name)
-                    x = load_f32(mf, info, shard.name)
-                    spec = specs[target.name]
-                    q = quantize(x, spec.dtype, opts.group_size)
-                    out[target.name] = q
-                    if spec.dtype != "f32":
-                        measure(stats, kind, x, q, opts.group_size)
+                    try:  # the adapter's load-time fixes (a fused tensor split, a reshape): shapes checked per part
+                        fixed = ad.fix(target.name, load_f32(mf, info, shard.name), args)
+                    except ValueError as exc:
+                        raise ConversionError(f"{where} has shape {info.shape}, which {target.name} cannot have "
+                                              f"({exc})") from exc
+                    for cname, x in fixed:
+                        want = wants.get(cname)
+                        if want is None:
+                            raise ConversionError(f"{where} ({cname}) is not part of this {args.arch} {whole}")
+                        _check_shape(where, x.shape, want)
+                        if cname in seen_dense:
+                            raise ConversionError(f"{where}: {cname} appears twice in the checkpoint")
+                        seen_dense.add(cname)
+                        spec = specs[cname]
+                        q = quantize(x, spec.dtype, opts.group_size)
+                        out[cname] = q
+                        if spec.dtype != "f32":
+                            measure(stats, kind, x, q, opts.group_size)
                 else:
                     for li, e, part, x in self._expert_parts(target, info, mf, shard.name, where):
                         key = (li, e, part)

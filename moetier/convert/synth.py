@@ -74,7 +74,8 @@ _ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
-    "minimax_m2": "MiniMaxM2ForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 
 
@@ -176,8 +177,24 @@ def _tiny() -> dict[str, Preset]:
                               rms_norm_eps=1e-6, router_jitter_noise=0.0,
                               rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
                                                "partial_rotary_factor": 0.5}),
+        # three Gated DeltaNet layers then gated full attention (Qwen3-Next's 3:1), two value heads
+        # per key head, a quarter of each attention head rotated, a shared expert with its gate
+        "qwen3_next": _config("qwen3_next", **_hybrid(), decoder_sparse_step=1, mlp_only_layers=[],
+                              norm_topk_prob=True, intermediate_size=128),
+        # Qwen3.5-MoE's text model (qwen3_5_moe_text; the multimodal wrapper converts to the same)
+        "qwen3_5_moe": _config("qwen3_5_moe_text", **_hybrid()),
     }
     return {f"tiny-{k}": Preset(f"tiny-{k}", f"test-sized {k}", v, TINY_VOCAB, tags=("tiny",)) for k, v in cfgs.items()}
+
+
+def _hybrid() -> dict[str, Any]:
+    """The tiny shape of the hybrid linear-attention families."""
+    return dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, attention_bias=False, linear_conv_kernel_dim=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                layer_types=["linear_attention"] * 3 + ["full_attention"],
+                rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.25})
 
 
 def _presets() -> dict[str, Preset]:
@@ -323,6 +340,15 @@ def _dense_gen(name: str, shape: tuple[int, ...], hidden: int, seed: int) -> F32
     return dense_tensor(name, shape, seed, hidden)
 
 
+def _source_gen(src: str, parts: tuple[str, ...], preset: str, hidden: int, seed: int) -> F32:
+    """A source tensor of the HF layout, from the canonical tensors it is made of."""
+    p = PRESETS[preset]
+    args = p.args
+    shapes = dense_shapes(args)
+    return adapter_for(p.config["model_type"]).to_source(
+        src, {n: dense_tensor(n, shapes[n], seed, hidden) for n in parts}, args)
+
+
 def _expert_gen(layer: int, e: int, part: str, shape: tuple[int, ...], seed: int) -> F32:
     return expert_tensor(layer, e, part, shape, seed)
 
@@ -336,14 +362,15 @@ def _hf_tensors(p: Preset, fused: bool) -> list[tuple[str, tuple[int, ...], Gen]
     d, e_count, inter = args.hidden_size, args.n_routed_experts, args.moe_intermediate_size
     out: list[tuple[str, tuple[int, ...], Gen]] = []
 
-    def dense(n: str) -> None:
-        out.append((ad.source_name(n), shapes[n], partial(_dense_gen, n, shapes[n], d)))
+    def dense(*names: str) -> None:
+        for src, parts in ad.source_tensors(list(names), args):
+            # the source shape, from the adapter's inverse fix over zero-size-in-memory stand-ins
+            shape = tuple(ad.to_source(src, {n: np.broadcast_to(np.float32(0), shapes[n]) for n in parts}, args).shape)
+            out.append((src, shape, partial(_source_gen, src, tuple(parts), p.name, d)))
 
     dense("embed")
     for i in range(args.num_layers):
-        for n in shapes:
-            if n.startswith(f"layers.{i}."):
-                dense(n)
+        dense(*(n for n in shapes if n.startswith(f"layers.{i}.")))
         if not args.moe_layers[i]:
             continue
         if fused:

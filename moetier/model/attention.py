@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -183,13 +183,23 @@ class MlaAttention:
         return self._output(ops, ctx)
 
 
-Attention = GqaAttention | MlaAttention
+class Attention(Protocol):
+    """What a layer's token mixer is to the forward pass: GQA, MLA, DSA, a Gated DeltaNet."""
+
+    def __call__(self, ops: Ops, h: F32, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32: ...
 
 
 def build_attention(args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float,
                     prefix: str | None = None, indexer: bool | None = None) -> Attention:
     """The attention of cache layer `layer`, tensors under `prefix` (default "layers.{layer}");
-    DSA: `indexer` says whether it runs its own (default: ModelArgs.indexer_layers[layer])."""
+    DSA: `indexer` says whether it runs its own (default: ModelArgs.indexer_layers[layer]); a
+    hybrid model's linear layers run a Gated DeltaNet (moetier/model/deltanet.py)."""
+    if args.linear_layers[layer] or args.attn_output_gate:
+        from moetier.model.deltanet import GatedDeltaNet, GatedGqaAttention  # they extend GqaAttention
+
+        if args.linear_layers[layer]:
+            return GatedDeltaNet(args, layer, dense, prefix)
+        return GatedGqaAttention(args, layer, dense, rope, scale, prefix)
     if args.attention == "mla":
         if args.index_topk:
             from moetier.model.dsa import DsaAttention  # it extends MlaAttention

@@ -4,7 +4,8 @@ Legend used throughout moetier/model:
     T = tokens in a step, S = cached positions, D = hidden size, V = vocab,
     H = query heads, Hkv = key/value heads, hd = head dim,
     E = routed experts, K = experts per token (top-k), I = expert intermediate size,
-    F = dense MLP intermediate size, Hi = indexer heads, Di = indexer head dim.
+    F = dense MLP intermediate size, Hi = indexer heads, Di = indexer head dim,
+    Hk/Hv = linear-attention key/value heads, dk/dv = their head dims, Kc = its conv kernel.
 
 `ModelArgs` is architecture-neutral: each source architecture's quirks are
 translated into these fields once, by its adapter in moetier/convert/adapters,
@@ -24,6 +25,9 @@ GroupScore = Literal["none", "max", "top2_sum"]  # DeepSeek-V2 group_limited_gre
 
 
 _DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim", "index_rope_interleave", "indexer_layers")
+_LINEAR_FIELDS = ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel", "attn_output_gate")
+LayerType = Literal["full", "linear"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,20 @@ class ModelArgs:
     index_head_dim: int = 0  # Di (its first qk_rope_head_dim dims are rotated)
     index_rope_interleave: bool = False  # GLM-5: interleaved pairs; DeepSeek-V3.2: halves
     indexer_layers: tuple[bool, ...] = ()
+
+    # Hybrid linear attention (Qwen3-Next, Qwen3.5-MoE): layer_types[i] says whether layer i runs
+    # full attention or a Gated DeltaNet, whose per-sequence state is fixed-size (a [Hv, dk, dv]
+    # recurrent state and the last Kc - 1 inputs of its short convolution) instead of a growing KV.
+    # Empty: every layer is full attention.
+    layer_types: tuple[LayerType, ...] = ()
+    linear_num_key_heads: int = 0  # Hk (queries and keys)
+    linear_num_value_heads: int = 0  # Hv (a multiple of Hk: each key head serves Hv / Hk value heads)
+    linear_key_head_dim: int = 0  # dk
+    linear_value_head_dim: int = 0  # dv
+    linear_conv_kernel: int = 0  # Kc
+    # Gated full attention (Qwen3-Next): wq yields per head hd query rows then hd gate rows, and the
+    # attention output is multiplied by sigmoid(gate) before wo
+    attn_output_gate: bool = False
 
     qkv_bias: bool = False  # biases on q/k/v projections (Qwen2-MoE, GLM-4.5 attention_bias)
     qk_norm: QkNorm = "none"
@@ -112,6 +130,18 @@ class ModelArgs:
                                  f"{self.qk_rope_head_dim} dims")
         elif self.indexer_layers:
             raise ValueError("indexer_layers given without an index_topk")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers or any(t not in ("full", "linear") for t in self.layer_types):
+                raise ValueError(f"layer_types needs {self.num_layers} entries of 'full'/'linear', "
+                                 f"got {list(self.layer_types)}")
+            if "linear" in self.layer_types:
+                dims = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                        self.linear_value_head_dim, self.linear_conv_kernel)
+                if min(dims) <= 0 or self.linear_num_value_heads % self.linear_num_key_heads:
+                    raise ValueError(f"linear attention needs positive sizes and value heads a multiple of key "
+                                     f"heads, got (Hk, Hv, dk, dv, Kc) = {dims}")
+                if self.attention != "gqa":
+                    raise ValueError("linear attention layers are interleaved with GQA attention only")
         if any(self.moe_layers):
             if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
                 raise ValueError(f"top-k {self.num_experts_per_tok} invalid for {self.n_routed_experts} experts")
@@ -137,9 +167,28 @@ class ModelArgs:
         return 2 * self.num_kv_heads * self.head_dim
 
     @property
+    def linear_layers(self) -> tuple[bool, ...]:
+        """linear_layers[i]: layer i is a Gated DeltaNet (all False without layer_types)."""
+        return tuple(t == "linear" for t in self.layer_types) or (False,) * self.num_layers
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the linear attention's convolution: q and k of every key head, v of every value head."""
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * \
+            self.linear_value_head_dim
+
+    @property
     def kv_floats_per_token(self) -> int:
-        """Floats cached per token over all layers, indexer keys included."""
-        return self.num_layers * self.kv_cache_width + self.index_head_dim * sum(self.indexer_layers)
+        """Floats cached per token over all layers, indexer keys included (linear layers keep none)."""
+        full = self.num_layers - sum(self.linear_layers)
+        return full * self.kv_cache_width + self.index_head_dim * sum(self.indexer_layers)
+
+    @property
+    def state_floats(self) -> int:
+        """Floats of one sequence's fixed-size state over all linear layers (recurrent + conv)."""
+        per = (self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+               + max(self.linear_conv_kernel - 1, 0) * self.linear_conv_dim)
+        return sum(self.linear_layers) * per
 
     @property
     def expert_params(self) -> int:
@@ -152,8 +201,12 @@ class ModelArgs:
         d["moe_layers"] = list(self.moe_layers)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["indexer_layers"] = list(self.indexer_layers)
+        d["layer_types"] = list(self.layer_types)
         if not self.index_topk:  # models without an indexer keep the manifest (and KV identity) they had
             for k in _DSA_FIELDS:
+                del d[k]
+        if not self.layer_types and not self.attn_output_gate:  # likewise models without linear attention
+            for k in _LINEAR_FIELDS:
                 del d[k]
         return d
 
@@ -167,4 +220,5 @@ class ModelArgs:
         d["moe_layers"] = tuple(bool(x) for x in d.get("moe_layers", ()))
         d["eos_token_ids"] = tuple(int(x) for x in d.get("eos_token_ids", ()))
         d["indexer_layers"] = tuple(bool(x) for x in d.get("indexer_layers", ()))
+        d["layer_types"] = tuple(str(x) for x in d.get("layer_types", ()))
         return cls(**d)

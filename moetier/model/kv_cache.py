@@ -9,6 +9,16 @@ Layouts (per layer):
        keys of absorbed attention are the whole row, the values its first kv_lora floats
   DSA: index_k [S, Di] besides, in the layers that run their own lightning indexer
        (ModelArgs.indexer_layers) -- the indexer's layer-normed, roped key
+  Hybrid (Qwen3-Next): GQA k/v in the full-attention layers only; a Gated DeltaNet layer keeps
+       no per-position arrays but a fixed-size state (`cache_state`): ssm [Hv, dk, dv] (the
+       recurrent state) and conv [Kc - 1, C] (the last Kc - 1 inputs of its convolution)
+
+Recurrent state. The state is that of the committed positions [0, length); a step writes the
+new state with `put_state` and it replaces the old one at `commit`. It cannot be cut back to
+an earlier position, so the cache also keeps snapshots: the state at the positions in
+`save_at`, which the linear layers copy as their token loop passes them (no extra compute),
+and the state it was rebuilt with. `truncate(n)` below `length` needs a snapshot at n (or
+n = 0); `state_positions` lists where this cache can resume (what the prefix cache may serve).
 
 A step writes its new positions at [length, length + n) of every layer and only then
 `commit`s them, so a step that fails half-way leaves the cache as it was.
@@ -32,28 +42,55 @@ MIN_CAPACITY = 16
 
 
 def cache_layout(args: ModelArgs) -> Layout:
-    """The arrays every layer keeps."""
+    """The arrays every layer keeps (none in a hybrid model: its full layers' k/v are `cache_extra`)."""
+    if any(args.linear_layers):
+        return {}
     if args.attention == "mla":
         return {"latent": (args.kv_lora_rank + args.qk_rope_head_dim,)}
     return {"k": (args.num_kv_heads, args.head_dim), "v": (args.num_kv_heads, args.head_dim)}
 
 
 def cache_extra(args: ModelArgs) -> dict[int, Layout]:
-    """Arrays only some layers keep: layer -> their layout (the DSA indexer keys)."""
+    """Arrays only some layers keep: layer -> their layout (the DSA indexer keys; the k/v of a
+    hybrid model's full-attention layers)."""
+    if any(args.linear_layers):
+        kv = (args.num_kv_heads, args.head_dim)
+        return {i: {"k": kv, "v": kv} for i, lin in enumerate(args.linear_layers) if not lin}
     if not args.index_topk:
         return {}
     return {i: {"index_k": (args.index_head_dim,)} for i, full in enumerate(args.indexer_layers) if full}
 
 
+def cache_state(args: ModelArgs) -> dict[int, Layout]:
+    """Fixed-size per-sequence state: layer -> its arrays' shapes (the Gated DeltaNet layers)."""
+    ssm = (args.linear_num_value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+    conv = (args.linear_conv_kernel - 1, args.linear_conv_dim)
+    return {i: {"conv": conv, "ssm": ssm} for i, lin in enumerate(args.linear_layers) if lin}
+
+
+def state_key(pos: int, layer: int, name: str) -> str:
+    """Name of a state snapshot array in `to_arrays`: the state of positions [0, pos)."""
+    return f"state.{pos}.layers.{layer}.{name}"
+
+
 class KVCache:
     def __init__(self, layout: Mapping[str, tuple[int, ...]], num_layers: int,
-                 extra: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None) -> None:
+                 extra: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None,
+                 state: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None) -> None:
         self.layout: Layout = {k: tuple(v) for k, v in layout.items()}
         self.extra: dict[int, Layout] = {int(i): {k: tuple(v) for k, v in lay.items()}
                                          for i, lay in sorted((extra or {}).items())}
-        if any(not 0 <= i < num_layers for i in self.extra):
-            raise ValueError(f"extra KV arrays for layers {sorted(self.extra)} of a {num_layers}-layer cache")
+        self.state_layout: dict[int, Layout] = {int(i): {k: tuple(v) for k, v in lay.items()}
+                                                for i, lay in sorted((state or {}).items())}
+        if any(not 0 <= i < num_layers for i in [*self.extra, *self.state_layout]):
+            raise ValueError(f"extra KV arrays for layers {sorted(self.extra)} and state for "
+                             f"{sorted(self.state_layout)} of a {num_layers}-layer cache")
         self.num_layers = num_layers
+        self._state: dict[tuple[int, str], F32] = self._zero_state()  # the state of [0, length)
+        self._pending: dict[tuple[int, str], F32] = {}  # written by the step in flight
+        self._snaps: dict[int, dict[tuple[int, str], F32]] = {}  # position -> the state of [0, position)
+        self._pending_snaps: dict[int, dict[tuple[int, str], F32]] = {}
+        self.save_at: set[int] = set()  # positions whose state the linear layers snapshot as they pass
         self.length = 0  # committed positions
         self._tokens = np.zeros(0, dtype=np.int32)
         self._arrays: list[dict[str, F32]] = [
@@ -63,14 +100,19 @@ class KVCache:
 
     @classmethod
     def for_model(cls, args: ModelArgs) -> KVCache:
-        return cls(cache_layout(args), args.num_layers, cache_extra(args))
+        return cls(cache_layout(args), args.num_layers, cache_extra(args), cache_state(args))
+
+    def _zero_state(self) -> dict[tuple[int, str], F32]:
+        return {(i, n): np.zeros(shape, dtype=np.float32) for i, lay in self.state_layout.items()
+                for n, shape in lay.items()}
 
     def layer_layout(self, layer: int) -> Layout:
         """Every array layer `layer` keeps: the common layout plus its extra arrays."""
         return {**self.layout, **self.extra.get(layer, {})}
 
     def same_shape(self, other: KVCache) -> bool:
-        return (self.layout, self.extra, self.num_layers) == (other.layout, other.extra, other.num_layers)
+        return ((self.layout, self.extra, self.state_layout, self.num_layers)
+                == (other.layout, other.extra, other.state_layout, other.num_layers))
 
     # ---- size ---------------------------------------------------------------------
     @property
@@ -86,17 +128,33 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return int(self._arrays[0][next(iter(self.layout))].shape[0]) if self.num_layers else 0
+        return len(self._tokens)
+
+    @property
+    def state_floats(self) -> int:
+        """Floats of one copy of the fixed-size state (0 without linear layers)."""
+        return sum(int(np.prod(s)) for lay in self.state_layout.values() for s in lay.values())
+
+    @property
+    def state_positions(self) -> list[int]:
+        """Where this cache can resume (`truncate`): every position without a fixed-size state,
+        else the snapshots' positions and `length` (the current state), ascending."""
+        if not self.state_layout:
+            return list(range(self.length + 1))
+        return sorted({p for p in self._snaps if p <= self.length} | {self.length})
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the committed positions (what persisting this cache costs)."""
-        return 4 * self.length * self.position_floats
+        """Bytes of the committed positions and of the states `to_arrays` holds (what persisting
+        this cache costs)."""
+        states = len(self.state_positions) if self.state_layout else 0
+        return 4 * (self.length * self.position_floats + states * self.state_floats)
 
     @property
     def capacity_bytes(self) -> int:
-        """Bytes the arrays hold in memory (capacity, not just the committed positions)."""
-        return 4 * self.capacity * self.position_floats
+        """Bytes the arrays hold in memory (capacity, not just the committed positions; the
+        current state and every snapshot)."""
+        return 4 * (self.capacity * self.position_floats + (1 + len(self._snaps)) * self.state_floats)
 
     @property
     def tokens(self) -> npt.NDArray[np.int32]:
@@ -105,7 +163,9 @@ class KVCache:
 
     # ---- the step protocol: reserve -> put/get per layer -> commit -----------------
     def reserve(self, n: int) -> int:
-        """Make room for n more positions; returns where they start (= length)."""
+        """Make room for n more positions; returns where they start (= length). A step starts
+        here: what a failed step before it wrote of the state is forgotten."""
+        self._pending, self._pending_snaps = {}, {}
         need = self.length + n
         if need > self.capacity:
             cap = max(need, 2 * self.capacity, MIN_CAPACITY)
@@ -118,6 +178,18 @@ class KVCache:
             tokens[: self.length] = self._tokens[: self.length]
             self._tokens = tokens
         return self.length
+
+    def state(self, layer: int, name: str) -> F32:
+        """The committed state of one linear layer's array (read-only by convention)."""
+        return self._state[(layer, name)]
+
+    def put_state(self, layer: int, name: str, value: F32) -> None:
+        """The state after this step's positions; it replaces the current one at `commit`."""
+        self._pending[(layer, name)] = value
+
+    def snapshot(self, pos: int, layer: int, name: str, value: F32) -> None:
+        """The state of positions [0, pos), passed during this step (kept at `commit`)."""
+        self._pending_snaps.setdefault(pos, {})[(layer, name)] = value.copy()
 
     def put(self, layer: int, name: str, start: int, values: F32) -> None:
         """Write positions [start, start + len(values)) of one layer's array."""
@@ -134,20 +206,46 @@ class KVCache:
             raise ValueError(f"commit of {len(t)} positions without reserve (capacity {self.capacity})")
         self._tokens[self.length : self.length + len(t)] = t
         self.length += len(t)
+        if self.state_layout:
+            if set(self._pending) != set(self._state):
+                raise ValueError(f"commit without the state of every linear layer ({len(self._pending)} of "
+                                 f"{len(self._state)} arrays written)")
+            self._state, self._pending = self._pending, {}
+            for pos, snap in self._pending_snaps.items():
+                if len(snap) == len(self._state):
+                    self._snaps[pos] = snap
+            self._pending_snaps = {}
 
     def truncate(self, n: int) -> None:
-        """Keep the first n positions (prefix reuse, rollback)."""
+        """Keep the first n positions (prefix reuse, rollback). With a fixed-size state, n below
+        `length` must be a saved position (`state_positions`, or 0)."""
         if n < 0:
             raise ValueError(f"cannot truncate to {n} positions")
-        self.length = min(self.length, n)
+        if n >= self.length:
+            return
+        if self.state_layout:
+            if n == 0:
+                self._state = self._zero_state()
+            elif n in self._snaps:
+                self._state = {k: v.copy() for k, v in self._snaps[n].items()}
+            else:
+                raise ValueError(f"no recurrent state saved at position {n} (saved: {self.state_positions})")
+            self._snaps = {p: s for p, s in self._snaps.items() if p <= n}
+        self.length = n
 
     # ---- persistence ---------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """{"tokens": int32 [S], "layers.{i}.{name}": float32 [S, ...]} (copies)."""
+        """{"tokens": int32 [S], "layers.{i}.{name}": float32 [S, ...]} (copies), and with a
+        fixed-size state, for every position p of `state_positions`, "state.{p}.layers.{i}.{name}"."""
         out: dict[str, np.ndarray] = {"tokens": self.tokens.copy()}
         for i, layer in enumerate(self._arrays):
             for name, a in layer.items():
                 out[f"layers.{i}.{name}"] = a[: self.length].copy()
+        if self.state_layout:
+            for p in self.state_positions:
+                snap = self._state if p == self.length else self._snaps[p]
+                for (i, name), a in snap.items():
+                    out[state_key(p, i, name)] = a.copy()
         return out
 
     @classmethod
@@ -161,7 +259,8 @@ class KVCache:
             raise ValueError(f"KV cache 'tokens' must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
         s = len(tokens)
         expected = {f"layers.{i}.{name}" for i in range(args.num_layers) for name in cache.layer_layout(i)}
-        extra = set(arrays) - expected - {"tokens"}
+        states = cache._states_from(arrays, s)
+        extra = set(arrays) - expected - {"tokens"} - {k for k in arrays if k.startswith("state.")}
         if extra:
             raise ValueError(f"KV cache arrays hold unknown entries: {sorted(extra)[:5]}")
         cache.reserve(s)
@@ -174,5 +273,34 @@ class KVCache:
                 if a.shape != (s, *shape):
                     raise ValueError(f"KV cache array {key!r} has shape {a.shape}, expected {(s, *shape)}")
                 cache.put(i, name, 0, a.astype(np.float32, copy=False))
+        if cache.state_layout:
+            cache._pending = dict(states.pop(s)) if s else cache._zero_state()
+            cache._snaps = {**states, s: {k: v.copy() for k, v in cache._pending.items()}} if s else states
         cache.commit(tokens)
         return cache
+
+    def _states_from(self, arrays: Mapping[str, np.ndarray], s: int) -> dict[int, dict[tuple[int, str], F32]]:
+        """The state snapshots among `arrays` at positions <= s, checked: position -> state."""
+        found: dict[int, dict[tuple[int, str], F32]] = {}
+        for key, a in arrays.items():
+            if not key.startswith("state."):
+                continue
+            parts = key.split(".")
+            if len(parts) != 5 or parts[2] != "layers" or not parts[1].isdigit() or not parts[3].isdigit():
+                raise ValueError(f"KV cache array {key!r} is not a state snapshot name")
+            pos, layer, name = int(parts[1]), int(parts[3]), parts[4]
+            shape = self.state_layout.get(layer, {}).get(name)
+            if shape is None:
+                raise ValueError(f"KV cache arrays hold unknown state {key!r}")
+            a = np.asarray(a)
+            if a.shape != shape:
+                raise ValueError(f"KV cache state {key!r} has shape {a.shape}, expected {shape}")
+            if pos <= s:
+                found.setdefault(pos, {})[(layer, name)] = np.array(a, dtype=np.float32)
+        for pos, snap in found.items():
+            if len(snap) != len(self._state):
+                raise ValueError(f"KV cache state at position {pos} is incomplete ({len(snap)} of "
+                                 f"{len(self._state)} arrays)")
+        if self.state_layout and s and s not in found:
+            raise ValueError(f"KV cache arrays of {s} positions lack the recurrent state at {s}")
+        return found

@@ -32,19 +32,30 @@ def dense_shapes(args: ModelArgs) -> dict[str, Shape]:
     out: dict[str, Shape] = {"embed": (a.vocab_size, d)}
     for i in range(a.num_layers):
         out.update(layer_shapes(a, f"layers.{i}", moe=a.moe_layers[i],
-                                indexer=bool(a.index_topk) and a.indexer_layers[i]))
+                                indexer=bool(a.index_topk) and a.indexer_layers[i], linear=a.linear_layers[i]))
     out["final_norm"] = (d,)
     if not a.tie_word_embeddings:
         out["lm_head"] = (a.vocab_size, d)
     return out
 
 
-def layer_shapes(a: ModelArgs, p: str, *, moe: bool, indexer: bool) -> dict[str, Shape]:
+def layer_shapes(a: ModelArgs, p: str, *, moe: bool, indexer: bool, linear: bool = False) -> dict[str, Shape]:
     """The dense tensors of one decoder layer named `p` ("layers.{i}", or "mtp.{k}" for the
-    decoder block of a multi-token-prediction layer)."""
+    decoder block of a multi-token-prediction layer); `linear`: a Gated DeltaNet layer."""
     d = a.hidden_size
     out: dict[str, Shape] = {f"{p}.attn_norm": (d,)}
-    if a.attention == "mla":
+    if linear:
+        hv, dv = a.linear_num_value_heads, a.linear_value_head_dim
+        out[f"{p}.linear.wqkv"] = (a.linear_conv_dim, d)
+        out[f"{p}.linear.wz"] = (hv * dv, d)
+        out[f"{p}.linear.wb"] = (hv, d)
+        out[f"{p}.linear.wa"] = (hv, d)
+        out[f"{p}.linear.conv"] = (a.linear_conv_dim, a.linear_conv_kernel)
+        out[f"{p}.linear.a_log"] = (hv,)
+        out[f"{p}.linear.dt_bias"] = (hv,)
+        out[f"{p}.linear.norm"] = (dv,)
+        out[f"{p}.linear.wo"] = (d, hv * dv)
+    elif a.attention == "mla":
         qk = a.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
         if a.q_lora_rank is None:
             out[f"{p}.attn.wq"] = (qk, d)
@@ -65,7 +76,7 @@ def layer_shapes(a: ModelArgs, p: str, *, moe: bool, indexer: bool) -> dict[str,
             out[f"{p}.attn.index_weights"] = (a.index_n_heads, d)
     else:
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        out[f"{p}.attn.wq"] = (q, d)
+        out[f"{p}.attn.wq"] = (2 * q if a.attn_output_gate else q, d)  # gated: [q | gate] rows per head
         out[f"{p}.attn.wk"] = (kv, d)
         out[f"{p}.attn.wv"] = (kv, d)
         out[f"{p}.attn.wo"] = (d, q)
@@ -126,9 +137,11 @@ def expert_shapes(args: ModelArgs) -> dict[str, Shape]:
 def tensor_class(name: str, shape: Shape) -> TensorClass:
     """Class of a canonical dense tensor (internals.md, 'Quantized tensors')."""
     leaf = name.rsplit(".", 1)[-1]
-    # index_weights: the DSA indexer's per-head weights, kept float32 as transformers keeps it
+    # index_weights: the DSA indexer's per-head weights, kept float32 as transformers keeps it;
+    # conv, wa, wb: the linear attention's convolution taps and its decay / write-strength gates
+    # (small, and every later token's state depends on them)
     if len(shape) < 2 or "norm" in leaf or leaf in ("router", "router_bias", "shared_gate", "bq", "bk", "bv",
-                                                      "index_weights"):
+                                                      "index_weights", "conv", "wa", "wb"):
         return "exact"
     return "dense"
 

@@ -10,11 +10,12 @@ from .glm4_moe import Glm4Moe
 from .minimax_m2 import MinimaxM2
 from .mixtral import Mixtral
 from .olmoe import Olmoe
+from .qwen3_next import Qwen3Next, Qwen35Moe, Qwen35MoeText
 from .qwen_moe import Qwen2Moe, Qwen3Moe
 
 ADAPTERS: dict[str, type[Adapter]] = {
     a.model_type: a for a in (DeepseekV3, DeepseekV2, Glm4Moe, Qwen3Moe, Qwen2Moe, Mixtral, Olmoe, DeepseekV32,
-                              GlmMoeDsa, MinimaxM2)
+                              GlmMoeDsa, MinimaxM2, Qwen3Next, Qwen35Moe, Qwen35MoeText)
 }
 
 

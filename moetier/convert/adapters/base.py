@@ -34,8 +34,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import numpy as np
+import numpy.typing as npt
+
 from moetier.model.config import ModelArgs
 
+F32 = npt.NDArray[np.float32]
 ExpertPart = Literal["gate", "up", "down"]
 
 
@@ -201,6 +205,26 @@ class Adapter:
         if m and int(m.group(1)) >= args.num_layers:
             return None  # a multi-token-prediction layer's tensor this architecture does not serve
         raise UnknownTensor(f"tensor {name!r} is not part of a {self.model_type} checkpoint")
+
+    def skipped(self, name: str) -> str | None:
+        """Why a source tensor of a wrapper checkpoint is left out ("vision", ...), for the
+        conversion's report; None for the tensors of the served model."""
+        return None
+
+    def fix(self, name: str, x: F32, args: ModelArgs) -> list[tuple[str, F32]]:
+        """A dense source tensor (its `target` name) as canonical tensors: where a checkpoint's
+        quirks (fused projections, offset norms) are fixed, once, at load time."""
+        return [(name, x)]
+
+    def source_tensors(self, names: list[str], args: ModelArgs) -> list[tuple[str, list[str]]]:
+        """The source tensors that hold canonical dense tensors `names`: (source name, the
+        canonical names it is made of), in order; the inverse of `target` + `fix`."""
+        return [(self.source_name(n), [n]) for n in names]
+
+    def to_source(self, source: str, parts: dict[str, F32], args: ModelArgs) -> F32:
+        """A source tensor from its canonical parts (see `source_tensors`)."""
+        (x,) = parts.values()
+        return x
 
     def _part(self, p: str) -> ExpertPart:
         for part, src in self.expert_names.items():
