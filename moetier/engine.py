@@ -220,6 +220,7 @@ class Engine:
             return Generation(self._tokens(ids, params, None, chunk_size), len(ids), 0)
         cache, n = self.prefix.lookup(ids)
         cache = cache if cache is not None else self.model.new_cache()
+        cache.save_at.add(len(ids) - 1)  # a fixed-size state is saved where the same prompt resumes
         return Generation(self._remembered(cache, self._tokens(ids[n:], params, cache, chunk_size)), len(ids), n)
 
     def _tokens(self, ids: npt.NDArray[np.int64], params: SamplingParams, cache: KVCache | None,

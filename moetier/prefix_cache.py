@@ -41,6 +41,17 @@ tokens, see `entry_key`), little endian:
                   "tokens" int32 [n] then "layers.{i}.{name}" float32 [n, ...] per layer (DSA:
                   also "layers.{i}.index_k" of the indexer layers, listed in the header's "extra")
 
+Models with a fixed-size state (the Gated DeltaNet layers of Qwen3-Next / Qwen3.5) are
+resumable only where that state was saved: an entry also holds the state at each of its
+`states` positions (arrays "state.{p}.layers.{i}.{conv,ssm}", the header's "state" lists the
+layers and shapes), and answers a lookup at the longest of those positions within the shared
+prefix, not at any token. The positions are the ones a later request can resume at (see
+docs/internals.md, "Recurrent state"): the end of the prompt less one token (the same prompt
+again: a retry, another sample, another user's identical request) and the sequence's end
+(the conversation's next turn); the dense worker and the engine ask for the first
+(`KVCache.save_at`), the second is the state the sequence ends with. An entry supersedes an
+older one only if it holds every position the older one could resume at.
+
 Version 2 entries hold any number of tokens ("hashes" lists the complete blocks); version 1
 files (whole blocks only, the same layout) are read as they are.
 
@@ -71,7 +82,7 @@ import xxhash
 
 from moetier.errors import FormatError
 from moetier.model.config import ModelArgs
-from moetier.model.kv_cache import KVCache, cache_extra, cache_layout
+from moetier.model.kv_cache import KVCache, cache_extra, cache_layout, cache_state, state_key
 from moetier.prefix import BLOCK, block_hashes
 
 log = logging.getLogger(__name__)
@@ -130,6 +141,7 @@ class _Entry:
     hashes: list[int]  # chained hashes of its complete blocks
     ids: npt.NDArray[np.int32]  # its tokens [n]
     nbytes: int  # payload bytes (tokens + KV)
+    states: frozenset[int] | None = None  # where a fixed-size state is saved (None: no such state, any position)
     arrays: Arrays | None = None  # in memory (None: on disk only)
     on_disk: bool = False
     writing: Future[None] | None = None
@@ -137,6 +149,16 @@ class _Entry:
     @property
     def tokens(self) -> int:
         return len(self.ids)
+
+    def resumable(self, n: int) -> int:
+        """The longest prefix of at most n tokens this entry can resume at."""
+        if self.states is None:
+            return n
+        return max((p for p in self.states if p <= n), default=0)
+
+    def covers(self, other: _Entry) -> bool:
+        """Whether this entry can resume everywhere `other` can (it holds other's tokens)."""
+        return self.states is None or (other.states is not None and other.states <= self.states)
 
 
 @dataclass
@@ -168,6 +190,8 @@ class PrefixCache:
         self.layout = {k: list(v) for k, v in cache_layout(args).items()}
         # arrays only some layers keep (the DSA indexer keys): {layer: {name: shape}}
         self.extra = {str(i): {k: list(v) for k, v in lay.items()} for i, lay in cache_extra(args).items()}
+        # the fixed-size state of the linear-attention layers: {layer: {name: shape}}
+        self.state = {str(i): {k: list(v) for k, v in lay.items()} for i, lay in cache_state(args).items()}
         self._lock = threading.RLock()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._index: dict[int, set[int]] = {}  # block hash -> keys of the entries holding that block prefix
@@ -205,20 +229,25 @@ class PrefixCache:
         return None, 0
 
     def _best(self, query: npt.NDArray[np.int64], hashes: list[int]) -> tuple[_Entry, int] | None:
-        """The entry sharing the longest prefix with `query` and that length (under the lock).
-        The candidates are the holders of the longest matching block prefix: no other entry can
-        share more, since sharing one more block would put it among the holders of that block."""
+        """The entry sharing the longest (resumable) prefix with `query` and that length (under the
+        lock). The candidates are the holders of the longest matching block prefix: no other entry
+        can share more, since sharing one more block would put it among the holders of that block."""
         candidates: Iterable[int] = ()
-        for k in range(len(hashes), 0, -1):
-            if hashes[k - 1] in self._index:
-                candidates = self._index[hashes[k - 1]]
-                break
-        else:  # no block in common: an entry starting with the same token may share part of the first
+        if self.state:
+            # resumable only at saved states: an entry sharing fewer blocks may resume later than
+            # one sharing more, so every entry starting with this token is a candidate
             candidates = self._first.get(int(query[0]), ())
+        else:
+            for k in range(len(hashes), 0, -1):
+                if hashes[k - 1] in self._index:
+                    candidates = self._index[hashes[k - 1]]
+                    break
+            else:  # no block in common: an entry starting with the same token may share part of the first
+                candidates = self._first.get(int(query[0]), ())
         best: tuple[_Entry, int] | None = None
         for key in candidates:
             e = self._entries[key]
-            n = _common(e.ids, query)
+            n = e.resumable(_common(e.ids, query))
             # longest match first, then one held in memory (no file to read)
             if n and (best is None or (n, e.arrays is not None) > (best[1], best[0].arrays is not None)):
                 best = (e, n)
@@ -240,7 +269,8 @@ class PrefixCache:
                 if self._entries.get(entry.key) is entry:
                     entry.arrays = arrays
                     self._trim_memory()
-        part = {name: a[:n] for name, a in arrays.items()}
+        part = {name: a[:n] for name, a in arrays.items() if not name.startswith("state.")}
+        part.update({name: a for name, a in arrays.items() if name.startswith("state.")})  # from_arrays takes <= n
         return KVCache.from_arrays(self.args, part), source
 
     # ---- insert ----------------------------------------------------------------------
@@ -255,15 +285,20 @@ class PrefixCache:
         ids = np.array(kv.tokens, dtype=np.int32)
         hashes = block_hashes(ids, BLOCK, self.model_id)
         key = entry_key(ids, hashes, self.model_id)
+        states = frozenset(p for p in kv.state_positions if p > 0) if self.state else None
+        new = _Entry(key, hashes, ids, nbytes, states)
         with self._lock:
-            holder = self._holder(ids, hashes)
+            holder = self._holder(new)
             if holder is not None:  # the same tokens, or a sequence extending them
                 self._entries.move_to_end(holder.key)
                 return n
             # entries that are prefixes of this one are answered by it from now on
-            for e in self._prefixes_of(ids, hashes):
+            for e in self._prefixes_of(new):
                 self._drop(e, "superseded")
-            entry = _Entry(key, hashes, ids, nbytes, arrays=kv.to_arrays())
+            if key in self._entries:  # the same tokens, other saved states: one file per key
+                self._drop(self._entries[key], "superseded")
+            entry = new
+            entry.arrays = kv.to_arrays()
             self._add(entry)
             self._stats.inserts += 1
             if self.directory is not None:
@@ -272,24 +307,26 @@ class PrefixCache:
             self._trim_disk()
         return n
 
-    def _holder(self, ids: npt.NDArray[np.int32], hashes: list[int]) -> _Entry | None:
-        """An entry holding all of `ids` (under the lock)."""
+    def _holder(self, new: _Entry) -> _Entry | None:
+        """An entry holding all of `new`'s tokens and able to resume wherever it can (under the lock)."""
+        ids, hashes = new.ids, new.hashes
         keys = self._index.get(hashes[-1], ()) if hashes else self._first.get(int(ids[0]), ())
         for key in keys:
             e = self._entries[key]
-            if e.tokens >= len(ids) and _common(e.ids, ids) == len(ids):
+            if e.tokens >= len(ids) and _common(e.ids, ids) == len(ids) and e.covers(new):
                 return e
         return None
 
-    def _prefixes_of(self, ids: npt.NDArray[np.int32], hashes: list[int]) -> list[_Entry]:
-        """The entries whose tokens are a prefix of `ids` (under the lock)."""
+    def _prefixes_of(self, new: _Entry) -> list[_Entry]:
+        """The entries whose tokens are a prefix of `new`'s and which it covers (under the lock)."""
+        ids, hashes = new.ids, new.hashes
         keys = {k for k in self._first.get(int(ids[0]), ()) if not self._entries[k].hashes}
         for i, h in enumerate(hashes):
             keys.update(k for k in self._index.get(h, ()) if len(self._entries[k].hashes) == i + 1)
         out = []
         for key in keys:
             e = self._entries[key]
-            if e.tokens <= len(ids) and _common(e.ids, ids) == e.tokens:
+            if e.tokens <= len(ids) and _common(e.ids, ids) == e.tokens and new.covers(e):
                 out.append(e)
         return out
 
@@ -401,6 +438,9 @@ class PrefixCache:
                   "layout": self.layout, "num_layers": self.args.num_layers, "arrays": specs}
         if self.extra:
             header["extra"] = self.extra
+        if self.state:
+            header["state"] = self.state
+            header["states"] = sorted(entry.states or ())
         raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
         return raw + b"\0" * (_pad(_PRE.size + len(raw)) - _PRE.size - len(raw)), parts
 
@@ -483,7 +523,7 @@ class PrefixCache:
         if header.get("model_id") != self.model_id or header.get("kv_identity") != self.identity:
             raise _Foreign(f"KV of model {header.get('model_id')!r} ({header.get('kv_identity')!r})")
         want = {"block": BLOCK, "layout": self.layout, "num_layers": self.args.num_layers,
-                "extra": self.extra or None}
+                "extra": self.extra or None, "state": self.state or None}
         for k, v in want.items():
             if header.get(k) != v:
                 raise FormatError(f"header {k} is {header.get(k)!r}, this model needs {v!r}")
@@ -546,10 +586,21 @@ class PrefixCache:
             raise FormatError("short read of the token ids")
         ids = np.frombuffer(raw, dtype="<i4").astype(np.int32)
         key = entry_key(ids, hashes, self.model_id)
+        states = self._states(header, n)
         if (block_hashes(ids, BLOCK, self.model_id) != hashes or path.name != f"{key:016x}{SUFFIX}"
                 or (header["version"] == 1 and n != len(hashes) * BLOCK)):
             raise FormatError("name, hashes and token ids disagree")
-        return _Entry(key, hashes, ids, plen, on_disk=True)
+        return _Entry(key, hashes, ids, plen, states, on_disk=True)
+
+    def _states(self, header: dict[str, Any], n: int) -> frozenset[int] | None:
+        """The positions a file's entry saved the state at (None for a model without one)."""
+        if not self.state:
+            return None
+        raw = header.get("states")
+        if (not isinstance(raw, list) or not raw or any(not isinstance(p, int) or not 0 < p <= n for p in raw)
+                or n not in raw):
+            raise FormatError(f"states {raw!r} are not positions in 1..{n} including {n}")
+        return frozenset(raw)
 
     def _read(self, entry: _Entry) -> Arrays | None:
         """The entry's arrays from its file, verified; None (file rejected, entry dropped) if bad."""
@@ -582,6 +633,10 @@ class PrefixCache:
         for i in range(self.args.num_layers):
             for name, shape in {**self.layout, **self.extra.get(str(i), {})}.items():
                 want[f"layers.{i}.{name}"] = ("<f4", [n, *shape])
+        for p in self._states(header, n) or ():
+            for i, lay in self.state.items():
+                for name, shape in lay.items():
+                    want[state_key(p, int(i), name)] = ("<f4", list(shape))
         out: Arrays = {}
         for spec in header["arrays"]:
             name = spec["name"]

@@ -20,7 +20,7 @@ from moetier.text.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
-ARCHS = ["minimax_m2"]
+ARCHS = ["minimax_m2", "qwen3_next", "qwen3_5_moe"]
 PROMPTS = 8
 TOKENS = 12
 

@@ -373,6 +373,8 @@ class Batcher:
                 log.exception("prefix cache lookup failed; prefilling the whole prompt")
                 cache, n = None, 0
         seq.cache = cache if cache is not None else self.model.new_cache()
+        # a fixed-size state is saved where the same prompt resumes (moetier/prefix_cache.py)
+        seq.cache.save_at.add(len(prompt) - 1)
         seq.fed = seq.cached = n
         return len(prompt), n
 
