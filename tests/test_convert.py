@@ -252,3 +252,36 @@ def test_group_size_and_dtype_options(tmp_path: Path, hf: Path) -> None:
     assert c.quantization == {"experts": "int8", "dense": "f32", "group_size": 32}
     assert c.read_expert(0, 1).gate.group_size == 32
     assert c.dense("embed").dtype == "f32"
+
+
+def test_multimodal_qwen3_5_moe_serves_its_text_model(tmp_path: Path, synth_containers: dict[str, Container],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3.5-MoE's multimodal checkpoint form (Qwen3_5MoeForConditionalGeneration: text_config,
+    model.language_model.*, a vision tower under model.visual.*) converts to the very container of
+    its text-only form; the vision tensors are skipped and `moetier inspect` reports them."""
+    from safetensors.numpy import load_file, save_file
+
+    text = synth.write_hf_checkpoint("tiny-qwen3_5_moe", tmp_path / "text", 0, dtype="f32")
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in load_file(str(text / "model.safetensors")).items()}
+    vision = {"model.visual.patch_embed.proj.weight": np.ones((16, 3, 2, 2, 2), np.float32),
+              "model.visual.blocks.0.attn.qkv.weight": np.ones((48, 16), np.float32)}
+    save_file({**tensors, **vision}, str(mm / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((text / "config.json").read_text())
+    (mm / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": cfg,
+        "vision_config": {"depth": 1, "hidden_size": 16}, "image_token_id": 5, "tie_word_embeddings": False}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (mm / name).write_bytes((text / name).read_bytes())
+    c = Container.open(convert(mm, tmp_path / "c", progress=False), verify=True)
+    ref = synth_containers["qwen3_5_moe"]
+    assert c.index.identity == ref.index.identity
+    for name in ref.dense_names():
+        assert np.array_equal(c.dense(name).data, ref.dense(name).data), name
+    assert c.manifest["source"]["skipped"] == {"vision": {"tensors": 2, "bytes": sum(v.nbytes for v in vision.values())}}
+    capsys.readouterr()
+    assert main(["inspect", str(c.path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped        vision: 2 source tensors" in out and "3 Gated DeltaNet layers of 4" in out

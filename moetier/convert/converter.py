@@ -262,6 +262,9 @@ class Converter:
         src_files.update(files)
         source = {"kind": "hf", "model_type": self.args.arch, "identity": self.identity,
                   "files": dict(sorted(src_files.items()))}
+        skipped = self._skipped()
+        if skipped:
+            source["skipped"] = skipped
         copies: dict[str, bytes | Path] = dict(self.source.extra_files())
         mtp_stats = {"mtp": stats.pop("mtp")} if "mtp" in stats else {}
         mtp_error = (summary(mtp_stats, {"mtp": self.opts.mtp_dtype, "group_size": self.opts.group_size})["mtp"]
@@ -269,6 +272,19 @@ class Converter:
         w.finish(source, copies, summary(stats, w.quantization), mtp_error)
         self._cleanup()
         return self.out
+
+    def _skipped(self) -> dict[str, dict[str, int]]:
+        """Tensors of a wrapper checkpoint the served model leaves out (a vision tower), by why:
+        {reason: {"tensors": n, "bytes": b}}, for `moetier inspect`."""
+        out: dict[str, dict[str, int]] = {}
+        for shard in self.source.shards:
+            for info in shard.header.tensors.values():
+                why = self.source.adapter.skipped(info.name)
+                if why is not None:
+                    row = out.setdefault(why, {"tensors": 0, "bytes": 0})
+                    row["tensors"] += 1
+                    row["bytes"] += info.nbytes
+        return dict(sorted(out.items()))
 
     def _cleanup(self) -> None:
         shutil.rmtree(self.spill_dir, ignore_errors=True)

@@ -111,6 +111,9 @@ def inspect_container(path: str, verify: bool = False) -> dict[str, Any]:
             "top_k": a.num_experts_per_tok,
             "moe_intermediate_size": a.moe_intermediate_size,
             "vocab_size": a.vocab_size,
+            "linear_layers": sum(a.linear_layers),
+            "kv_bytes_per_token": 4 * a.kv_floats_per_token,
+            "state_bytes": 4 * a.state_floats,
             "quantization": dict(c.quantization),
             "record_bytes": c.layout.record_bytes,
             "record_used_bytes": c.layout.used_bytes,
@@ -138,12 +141,17 @@ def format_report(r: dict[str, Any]) -> str:
         f"architecture   {r['arch']} ({r['attention']}), hidden {r['hidden_size']}, vocab {r['vocab_size']}",
         f"layers         {r['layers']} ({r['moe_layers']} MoE), {r['experts']} experts top-{r['top_k']}, "
         f"expert intermediate {r['moe_intermediate_size']}",
+        *([f"linear attn    {r['linear_layers']} Gated DeltaNet layers of {r['layers']}: a fixed state of "
+           f"{r['state_bytes'] / 1024:,.1f} KiB per sequence, KV {r['kv_bytes_per_token']:,} bytes per token (full layers)"]
+          if r.get("linear_layers") else []),
         f"quantization   experts {q['experts']}, dense {q['dense']}, group size {q['group_size']}",
         f"expert record  {r['record_bytes']:,} bytes ({r['record_used_bytes']:,} used), "
         f"{_mb(r['expert_bytes'])} of experts",
         "bytes by class " + ", ".join(f"{k} {_mb(v)}" for k, v in sorted(r["bytes_by_class"].items())),
         f"total          {_mb(r['total_bytes'])}",
-        "source         " + ", ".join(f"{k}={v}" for k, v in r["source"].items() if k != "identity"),
+        "source         " + ", ".join(f"{k}={v}" for k, v in r["source"].items() if k not in ("identity", "skipped")),
+        *(f"skipped        {why}: {e['tensors']} source tensors ({_mb(e['bytes'])}), not part of the served "
+          "text model" for why, e in r["source"].get("skipped", {}).items()),
         f"index identity {r['index_identity']}" + ("  (all checksums verified)" if r["verified"] else ""),
         "",
         f"quantization error, relative RMS vs source ({r['quant_error_source']}):",
