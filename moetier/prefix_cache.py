@@ -634,9 +634,9 @@ class PrefixCache:
             for name, shape in {**self.layout, **self.extra.get(str(i), {})}.items():
                 want[f"layers.{i}.{name}"] = ("<f4", [n, *shape])
         for p in self._states(header, n) or ():
-            for i, lay in self.state.items():
+            for layer, lay in self.state.items():
                 for name, shape in lay.items():
-                    want[state_key(p, int(i), name)] = ("<f4", list(shape))
+                    want[state_key(p, int(layer), name)] = ("<f4", list(shape))
         out: Arrays = {}
         for spec in header["arrays"]:
             name = spec["name"]

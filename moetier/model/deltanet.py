@@ -87,7 +87,7 @@ class GatedDeltaNet:
         kc = self.args.linear_conv_kernel
         window = np.concatenate([seg.cache.state(self.layer, "conv"), x])  # [Kc-1+n, C]
         n = len(x)
-        acc = window[0:n] * self.conv[:, 0]  # [n, C], taps summed oldest first
+        acc: np.ndarray = window[0:n] * self.conv[:, 0]  # [n, C] float32, taps summed oldest first
         for j in range(1, kc):
             acc = acc + window[j : j + n] * self.conv[:, j]
         seg.cache.put_state(self.layer, "conv", np.ascontiguousarray(window[n:]))

@@ -29,7 +29,16 @@ import numpy.typing as npt
 
 from moetier.model.config import ModelArgs
 
-from .base import DENSE_MLP, GQA_ATTENTION, MOE_COMMON, Adapter, AdapterError, Target, moe_layers_sparse_step, require
+from .base import (
+    DENSE_MLP,
+    GQA_ATTENTION,
+    MOE_COMMON,
+    Adapter,
+    AdapterError,
+    Target,
+    moe_layers_sparse_step,
+    require,
+)
 from .qwen_moe import gqa_softmax_args
 
 F32 = npt.NDArray[np.float32]
