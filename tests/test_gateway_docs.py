@@ -101,6 +101,8 @@ BAD: list[tuple[str, str, dict[str, Any], int, str]] = [
         "type": "json_schema", "name": "x", "schema": {"not": {"type": "string"}}}}}, 400, "not"),
     ("/v1/chat/completions", "tool_choice without tools", {"model": MODEL, "messages": [
         {"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", "image part", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "image_url"),
     ("/v1/chat/completions", "tool message without id", {"model": MODEL, "messages": [
         {"role": "tool", "content": "x"}]}, 400, "tool_call_id"),
 ]

@@ -42,6 +42,20 @@ class TextPart(_Wire):
     text: str
 
 
+class MediaPart(_Wire):
+    """Image, audio and file parts: refused with a 400 naming the part (the served models read
+    text only; a multimodal checkpoint's vision tower is not converted)."""
+
+    type: Literal["image_url", "input_audio", "file"]
+
+    @model_validator(mode="after")
+    def _refuse(self) -> MediaPart:
+        raise ValueError(f"{self.type} parts are not supported (this model reads text only)")
+
+
+ChatPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+
+
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
 
@@ -59,7 +73,7 @@ class ChatToolCall(_Wire):
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="`developer` is rendered as `system`.")
-    content: str | list[TextPart] | None = Field(
+    content: str | list[ChatPart] | None = Field(
         None, description="A string, or text parts (joined with newlines); may be null on an assistant "
         "message with tool_calls.")
     name: str | None = None
@@ -80,7 +94,9 @@ class ChatMessage(_Wire):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
 
     def for_template(self) -> dict[str, str]:
         return {"role": "system" if self.role == "developer" else self.role, "content": self.text}
