@@ -49,7 +49,7 @@ def make_fixture(case: hf.Case, out_dir: Path) -> Path:
 
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = hf.make_checkpoint(case.generator, case.preset, Path(tmp) / "ckpt", case.seed, case.overrides)
-        vocab = int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
+        vocab = hf.vocab_of(ckpt)
         prompt = hf.prompt_ids(vocab, case.seed, case.prompt_tokens)
         ref = hf.hf_reference(ckpt, prompt, case.greedy_tokens)
         if float(ref["index_gap"]) < hf.INDEX_TIE:

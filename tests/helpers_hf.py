@@ -38,7 +38,7 @@ from moetier.weights.quant import ExpertWeights, QTensor, quantize
 from moetier.weights.schema import dense_shapes, expert_shapes
 
 ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm_moe_dsa",
-         "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5_moe")
+         "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5_moe", "kimi_k25")
 DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")
 SYNTH_MODULE = "moetier.convert.synth"
 HELPER_GENERATOR = "tests/helpers_hf.py"
@@ -161,7 +161,21 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Kimi K2.5: the wrapper around the DeepSeek-V3 quirk config (yarn, q_lora, groups), with a tiny
+# vision tower config (its weights are not in the checkpoint: transformers initialises them, the
+# text-only forward never reads them)
+TINY_CONFIGS["kimi_k25"] = {
+    "model_type": "kimi_k25", "text_config": {**_COMMON, **TINY_CONFIGS["deepseek_v3"], "model_type": "kimi_k2"},
+    "vision_config": {"model_type": "kimi_k25_vision", "num_attention_heads": 2, "num_hidden_layers": 1,
+                      "hidden_size": 32, "intermediate_size": 64, "pos_emb_height": 8, "pos_emb_width": 8},
+    "projection_hidden_size": 32, "tie_word_embeddings": False, "dtype": "float32",
+}
+VISION_ONLY = ("model.vision_tower.", "model.mm_projector.")  # weights a text-only forward never reads
+
+
 def tiny_config(arch: str) -> dict[str, Any]:
+    if "text_config" in TINY_CONFIGS[arch]:
+        return dict(TINY_CONFIGS[arch])
     return {**_COMMON, **TINY_CONFIGS[arch]}
 
 
@@ -180,7 +194,11 @@ def _value(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.nd
 def write_tiny_checkpoint(arch: str, out_dir: Path, seed: int, overrides: dict[str, Any] | None = None) -> Path:
     """config.json + model.safetensors in the source layout, float32, weights from `seed`;
     `overrides` change config fields (variants the live tests compare)."""
-    cfg = {**tiny_config(arch), **(overrides or {})}
+    cfg = tiny_config(arch)
+    if "text_config" in cfg:  # a wrapper (kimi_k25): the overrides are the text model's
+        cfg["text_config"] = {**cfg["text_config"], **(overrides or {})}
+    else:
+        cfg = {**cfg, **(overrides or {})}
     adapter = adapter_for(arch)
     args = adapter.model_args(cfg)
     rng = np.random.default_rng(seed)
@@ -330,6 +348,12 @@ def build_model(ckpt: Path, ops: Ops | None = None, **kw: Any) -> Model:
     return Model(args, dense, ops, DictExperts(experts, ops), **kw)
 
 
+def vocab_of(ckpt: Path) -> int:
+    """The checkpoint's vocabulary size (a wrapper's: its text model's)."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    return int(cfg.get("text_config", cfg)["vocab_size"])
+
+
 def prompt_ids(vocab_size: int, seed: int, n: int = 24) -> np.ndarray:
     return np.random.default_rng(seed + 1_000_003).integers(2, vocab_size, size=n).astype(np.int64)
 
@@ -344,7 +368,8 @@ INDEX_TIE = 1e-5  # an indexer top-k boundary gap below this is a coin flip betw
 
 def _check_loaded(ckpt: Path, model: Any, info: dict[str, Any]) -> None:
     """Nothing missing or mismatched; unexpected only the MTP layers (past the last layer)."""
-    n = model.config.num_hidden_layers
+    n = model.config.get_text_config().num_hidden_layers
+    info = {**info, "missing_keys": {k for k in info.get("missing_keys") or () if not k.startswith(VISION_ONLY)}}
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "mismatched_keys")}
     unexpected = [k for k in info.get("unexpected_keys") or []
                   if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= n)]
@@ -363,7 +388,7 @@ class IndexGaps:
         self.smallest = float("inf")
         self._torch = torch
         self._inside = False
-        for layer in model.model.layers:
+        for layer in getattr(model.model, "language_model", model.model).layers:
             ix = getattr(getattr(layer, "self_attn", None), "indexer", None)
             if ix is not None:
                 ix.forward = self._wrap(ix.forward)
@@ -397,9 +422,11 @@ def hf_reference(ckpt: Path, prompt: np.ndarray, n_new: int) -> dict[str, np.nda
     over the prompt, and a greedy continuation of n_new tokens with each step's top-2 gap; for
     DSA models also the smallest indexer top-k boundary gap (`IndexGaps`) over the whole run."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model, info = AutoModelForCausalLM.from_pretrained(
+    wrapper = json.loads((ckpt / "config.json").read_text()).get("model_type") == "kimi_k25"
+    auto = AutoModelForImageTextToText if wrapper else AutoModelForCausalLM
+    model, info = auto.from_pretrained(
         str(ckpt), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
         output_loading_info=True,
     )

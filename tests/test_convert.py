@@ -22,7 +22,7 @@ from moetier.weights.quant import bf16_to_f32
 from moetier.weights.safetensors_io import MappedFile, SafetensorsWriter
 
 ARCHS = ["deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm_moe_dsa",
-         "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5_moe"]
+         "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5_moe", "kimi_k25"]
 SHARD = 20_000  # at most two expert matrices per shard: every expert is split across shards
 
 
@@ -285,3 +285,46 @@ def test_multimodal_qwen3_5_moe_serves_its_text_model(tmp_path: Path, synth_cont
     assert main(["inspect", str(c.path)]) == 0
     out = capsys.readouterr().out
     assert "skipped        vision: 2 source tensors" in out and "3 Gated DeltaNet layers of 4" in out
+
+
+def test_tiktoken_tokenizer_is_converted(tmp_path: Path) -> None:
+    """A source that ships only tiktoken.model (Kimi K2.5) gets a tokenizer.json in the container
+    that encodes as tiktoken itself does, with Kimi's split pattern and its special tokens at
+    their ids (the unnamed reserved ones as <|reserved_token_{id}|>)."""
+    import base64
+
+    tiktoken = pytest.importorskip("tiktoken")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from moetier.convert.tiktoken import KIMI_PATTERN, RESERVED_SPECIAL, _byte_chars
+    from moetier.text.tokenizer import TextTokenizer
+
+    corpus = ["Hello world, DON'T stop; they're here. HTTPServer", "中文字符测试，你好世界。", "def f(x):\n    return x * 2\n",
+              "12345 3.14159", "Ünïcödé façade — “quotes”"] * 20
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    byte_of = {c: b for b, c in _byte_chars().items()}
+    ranks = {bytes(byte_of[c] for c in tok): i for tok, i in bpe.get_vocab().items()}
+    base = len(ranks)
+    src = synth.write_hf_checkpoint("tiny-kimi_k25", tmp_path / "hf", 0, dtype="f32")
+    (src / "tokenizer.json").unlink()
+    (src / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n"
+                                               for t, r in sorted(ranks.items(), key=lambda x: x[1])))
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg["added_tokens_decoder"] = {str(base): {"content": "[BOS]", "special": True},
+                                   str(base + 1): {"content": "<|im_end|>", "special": True}}
+    (src / "tokenizer_config.json").write_text(json.dumps(cfg))
+    c = Container.open(convert(src, tmp_path / "c", progress=False))
+    assert "tiktoken.model" in c.manifest["source"]["tokenizer"]
+    ours = Tokenizer.from_file(str(c.path / "tokenizer.json"))
+    ref = tiktoken.Encoding("kimi-test", pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
+                            special_tokens={"[BOS]": base, "<|im_end|>": base + 1})
+    for text in [*corpus[:5], "完全不同的句子 with mixed 中文 and English", "   spaces \n\n\n  x", "🙂 ÷ ∑ isOK XMLHttp"]:
+        assert ours.encode(text).ids == ref.encode(text), text
+        assert ours.decode(ours.encode(text).ids) == text
+    assert ours.encode("[BOS]hi<|im_end|>").ids == ref.encode("[BOS]hi<|im_end|>", allowed_special="all")
+    assert ours.get_vocab_size() == base + RESERVED_SPECIAL
+    assert ours.id_to_token(base + 7) == f"<|reserved_token_{base + 7}|>"
+    assert TextTokenizer.from_dir(c.path).encode("hello") == ref.encode("hello")

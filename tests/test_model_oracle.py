@@ -83,7 +83,7 @@ LIVE = sorted(n for n, c in hf.CASES.items() if c.generator == hf.HELPER_GENERAT
 def test_live(name: str, tmp_path: Path) -> None:
     case = hf.CASES[name]
     ckpt = hf.make_checkpoint(case.generator, case.preset, tmp_path / "ckpt", case.seed + 1, case.overrides)
-    vocab = int(json.loads((ckpt / "config.json").read_text())["vocab_size"])
+    vocab = hf.vocab_of(ckpt)
     prompt = hf.prompt_ids(vocab, case.seed + 1, 12)
     ref = hf.hf_reference(ckpt, prompt, 8)
     if float(ref["index_gap"]) < hf.INDEX_TIE:

@@ -20,7 +20,7 @@ from moetier.text.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
-ARCHS = ["minimax_m2", "qwen3_next", "qwen3_5_moe"]
+ARCHS = ["minimax_m2", "qwen3_next", "qwen3_5_moe", "kimi_k25"]
 PROMPTS = 8
 TOKENS = 12
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from moetier.convert import tiktoken
 from moetier.convert.adapters import Dense, Expert, FusedExperts, UnknownTensor
 from moetier.convert.qerror import Stats, experts_sample, measure, merge, summary
 from moetier.convert.source import F32, SCALE_SUFFIX, HFSource, load_f32, widen
@@ -266,6 +267,10 @@ class Converter:
         if skipped:
             source["skipped"] = skipped
         copies: dict[str, bytes | Path] = dict(self.source.extra_files())
+        converted = tiktoken.tokenizer_json(self.source.root)  # a tiktoken.model-only source (Kimi)
+        if converted is not None:
+            copies["tokenizer.json"] = converted
+            source["tokenizer"] = "tokenizer.json converted from tiktoken.model (moetier/convert/tiktoken.py)"
         mtp_stats = {"mtp": stats.pop("mtp")} if "mtp" in stats else {}
         mtp_error = (summary(mtp_stats, {"mtp": self.opts.mtp_dtype, "group_size": self.opts.group_size})["mtp"]
                      if mtp_stats else None)

@@ -75,7 +75,7 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "kimi_k25": "Kimi_K25ForConditionalGeneration",
 }
 
 
@@ -183,8 +183,26 @@ def _tiny() -> dict[str, Preset]:
                               norm_topk_prob=True, intermediate_size=128),
         # Qwen3.5-MoE's text model (qwen3_5_moe_text; the multimodal wrapper converts to the same)
         "qwen3_5_moe": _config("qwen3_5_moe_text", **_hybrid()),
+        # Kimi K2.5: the wrapper, its text model DeepSeek-V3 (kimi_k2), a small vision tower config
+        # (the weights of which the checkpoint does not hold: moetier skips them)
+        "kimi_k25": _kimi(_mla("deepseek_v3", hidden=64, layers=3, first_dense=1, experts=8, top_k=2, shared=1,
+                               moe_i=32, inter=128, heads=4, q_lora=32, kv_lora=32, nope=16, rope=8, v=16,
+                               vocab=TINY_VOCAB, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                               num_nextn_predict_layers=0)),
     }
     return {f"tiny-{k}": Preset(f"tiny-{k}", f"test-sized {k}", v, TINY_VOCAB, tags=("tiny",)) for k, v in cfgs.items()}
+
+
+def _kimi(text: dict[str, Any]) -> dict[str, Any]:
+    """A kimi_k25 wrapper config around a DeepSeek-V3 text config."""
+    text = {k: v for k, v in text.items() if k != "architectures"}
+    text["model_type"] = "kimi_k2"
+    return {"architectures": [_ARCHITECTURES["kimi_k25"]], "model_type": "kimi_k25", "text_config": text,
+            "vision_config": {"model_type": "kimi_k25_vision", "patch_size": 14, "num_attention_heads": 2,
+                              "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
+                              "pos_emb_height": 8, "pos_emb_width": 8},
+            "projection_hidden_size": 32, "tie_word_embeddings": False, "bos_token_id": BOS_ID,
+            "eos_token_id": list(STOP_IDS), "dtype": "bfloat16"}
 
 
 def _hybrid() -> dict[str, Any]:

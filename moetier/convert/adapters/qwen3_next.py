@@ -66,11 +66,12 @@ VISION_PREFIXES = ("model.visual.", "visual.")
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The text model's config: text_config of a multimodal checkpoint (with the wrapper's
-    tie_word_embeddings where the text config has none), else the config itself."""
+    tie_word_embeddings, which governs in transformers), else the config itself."""
     if not isinstance(cfg.get("text_config"), dict):
         return cfg
     text = dict(cfg["text_config"])
-    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    if "tie_word_embeddings" in cfg:
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     return text
 
 
