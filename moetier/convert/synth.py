@@ -392,10 +392,9 @@ def _hf_tensors(p: Preset, fused: bool) -> list[tuple[str, tuple[int, ...], Gen]
         if not args.moe_layers[i]:
             continue
         if fused:
-            out.append((f"model.layers.{i}.mlp.experts.gate_up_proj", (e_count, 2 * inter, d),
+            out.append((ad.fused_source_name(i, "gate_up"), (e_count, 2 * inter, d),
                         partial(_fused_gate_up, i, e_count, ex)))
-            out.append((f"model.layers.{i}.mlp.experts.down_proj", (e_count, d, inter),
-                        partial(_fused_down, i, e_count, ex)))
+            out.append((ad.fused_source_name(i, "down"), (e_count, d, inter), partial(_fused_down, i, e_count, ex)))
             continue
         for e in range(e_count):
             for part in ("gate", "up", "down"):

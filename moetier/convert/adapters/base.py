@@ -256,6 +256,10 @@ class Adapter:
     def expert_source_name(self, layer: int, expert: int, part: ExpertPart) -> str:
         return self.expert_prefix.format(i=layer, e=expert, p=self.expert_names[part])
 
+    def fused_source_name(self, layer: int, part: Literal["gate_up", "down"]) -> str:
+        """Source name of a layer's fused expert tensor (transformers 5's in-memory layout)."""
+        return f"model.layers.{layer}.mlp.experts.{part}_proj"
+
 
 def _invert(pattern: str, template: str, canonical: str) -> str | None:
     """Fill a source regex from a canonical name by matching the template."""

@@ -12,7 +12,7 @@ Its tokenizer ships as tiktoken.model: the converter writes the equivalent token
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from moetier.model.config import ModelArgs
 
@@ -64,3 +64,6 @@ class KimiK25(Adapter):
     def source_name(self, canonical: str) -> str:
         name = super().source_name(canonical)
         return name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model.")
+
+    def fused_source_name(self, layer: int, part: Literal["gate_up", "down"]) -> str:
+        return f"model.language_model.layers.{layer}.mlp.experts.{part}_proj"
