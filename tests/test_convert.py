@@ -328,3 +328,13 @@ def test_tiktoken_tokenizer_is_converted(tmp_path: Path) -> None:
     assert ours.get_vocab_size() == base + RESERVED_SPECIAL
     assert ours.id_to_token(base + 7) == f"<|reserved_token_{base + 7}|>"
     assert TextTokenizer.from_dir(c.path).encode("hello") == ref.encode("hello")
+
+
+def test_refuses_packed_int4_kimi(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Kimi K2.5's own release packs its experts as compressed-tensors int4: refused by name, before
+    any tensor is read (not a tensor-by-tensor 'unknown' failure half-way)."""
+    src = synth.write_hf_checkpoint("tiny-kimi_k25", tmp_path / "hf", 0)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["text_config"]["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    _fails(capsys, src, tmp_path / "out", match="compressed-tensors")

@@ -16,6 +16,10 @@ Canonical names (what the container's dense/ files and the math use):
   DSA indexer (layers that run one, ModelArgs.indexer_layers):
     layers.{i}.attn.index_wq_b [Hi*Di, q_lora]  .index_wk [Di, D]  .index_k_norm/.index_k_bias [Di]
     layers.{i}.attn.index_weights [Hi, D]
+  Gated attention (attn_output_gate): layers.{i}.attn.wq [2*H*hd, D], per head hd query rows then hd gate rows
+  Gated DeltaNet (layers whose layer_types entry is "linear"; C = 2*Hk*dk + Hv*dv):
+    layers.{i}.linear.wqkv [C, D] (q of every key head, k, v)  .wz [Hv*dv, D]  .wb/.wa [Hv, D]
+    layers.{i}.linear.conv [C, Kc]  .a_log/.dt_bias [Hv]  .norm [dv]  .wo [D, Hv*dv]
   Dense SwiGLU MLP:        layers.{i}.mlp.w_gate/.w_up [F, D]   .w_down [D, F]
   MoE layer:
     layers.{i}.moe.router [E, D]       layers.{i}.moe.router_bias [E] (score correction)

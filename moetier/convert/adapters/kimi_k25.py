@@ -43,6 +43,11 @@ class KimiK25(Adapter):
 
     def model_args(self, cfg: dict[str, Any]) -> ModelArgs:
         text = kimi_text_config(cfg)
+        for where in (cfg, text):
+            method = (where.get("quantization_config") or {}).get("quant_method")
+            if method == "compressed-tensors":
+                raise AdapterError("kimi_k25: compressed-tensors (packed int4) checkpoints are not read; "
+                                   "convert a BF16 or block-FP8 checkpoint")
         return mla_args(text, **sigmoid_router(text))
 
     def mtp_layers(self, cfg: dict[str, Any]) -> int:
