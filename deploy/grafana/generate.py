@@ -271,6 +271,11 @@ def serving() -> dict[str, Any]:
         Panel("Router requests / s by outcome", [(rate(RT + "requests_total", "outcome"), "{{outcome}}")],
               unit="reqps", stack=True, width=8),
         Panel("Router queue time", lat(RT + "queue_time_seconds"), unit="s", width=8),
+        Panel("Experts placed per expert store", [(f"sum by (store) ({RT}placed_experts)", "{{store}}"),
+                                                  (f"max({RT}unowned_experts)", "no live owner")], width=8,
+              description="Experts the router's placement map sends to each expert store first (its share of "
+                          "what it owns, weighted by read bandwidth), and experts no live store owns (requests "
+                          "needing them fail)."),
         Row("Speculative decoding (MTP drafts)"),
         Panel("Draft acceptance by position",
               [(ratio(rate(DW + "spec_accepted_tokens_total", "position"),

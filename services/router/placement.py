@@ -9,6 +9,8 @@ same function the workers run, so the per-store counts shown here are the worker
 
 from __future__ import annotations
 
+import secrets
+
 from moetier.placement import PlacementMap, from_ranges
 from services.router.registry import LeaveReason, Member, MemberKind, Registry
 
@@ -19,8 +21,10 @@ class Placements:
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
         self._key: _Key = ()
-        self.version = 0
-        self.map = PlacementMap([], 0)
+        # Versions start at a random point: a worker that asks a restarted router with the version
+        # it held before gets the new map, not "unchanged" from a count that started over.
+        self.version = secrets.randbits(40) << 16
+        self.map = PlacementMap([], self.version)
         self.placed: dict[str, int] = {}  # member_id -> experts the map sends to it first
         self.unowned_keys = 0  # experts a departed store held that no live store owns (of those ever seen)
         self._seen: set[tuple[int, int]] = set()  # every expert some store has owned
