@@ -90,7 +90,8 @@ class StorageSection(_Section):
     mirrors: list[Path] = Field(default_factory=list, description="Extra copies (full or partial) of the "
                                 "container's experts/ files; reads spread across copies.")
     mirror_weights: list[float] = Field(default_factory=list, description="Read weights of primary + "
-                                        "mirrors; empty: measured by a start-up bandwidth probe.")
+                                        "mirrors (GB/s; their sum is also the store's weight in the router's "
+                                        "placement map); empty: measured by a start-up bandwidth probe.")
     owned_experts: str = Field("all", description="The experts this store serves (its shard): `all`, or "
                                "comma-separated `LAYERS[:EXPERTS]` items, each a number or an inclusive range, e.g. "
                                "`1-9` or `1-19:0-31`. Layer files absent from the model directory are left out too.")

@@ -228,7 +228,10 @@ def cluster(model: Path, tmp: Path) -> Iterator[dict[str, Any]]:
             a = f"{hosts[name][1]}:50053"
             add(name, ["expert-store"], {"MOETIER_EXPERT_STORE__BIND": a, "MOETIER_EXPERT_STORE__ADDRESS": a,
                                          "MOETIER_EXPERT_STORE__ID": f"store-{name[-1]}",
-                                         "MOETIER_STORAGE__OWNED_EXPERTS": owned},
+                                         "MOETIER_STORAGE__OWNED_EXPERTS": owned,
+                                         # equal weights, not a probe a busy machine skews: the share
+                                         # each store wins is then the hash's alone, the same every run
+                                         "MOETIER_STORAGE__MIRROR_WEIGHTS": "[1.0]"},
                 lambda a=a: grpc_healthy(a))
         for name in ("wk0", "wk1"):
             a = f"{hosts[name][1]}:50052"

@@ -271,8 +271,10 @@ class StoreCore:
     # ---- requests -------------------------------------------------------------------
     def probe_bandwidth(self) -> float:
         """Measure the read bandwidth of this store's copies (a few records each), bytes/s: the
-        weight of its share in the router's placement map."""
-        self.read_bandwidth = sum(self.tier.engine.probe()) * 1e9
+        weight of its share in the router's placement map. Configured copy weights
+        (`storage.mirror_weights`, GB/s) are taken as they are instead."""
+        weights = self.settings.storage.mirror_weights
+        self.read_bandwidth = sum(weights or self.tier.engine.probe()) * 1e9
         return self.read_bandwidth
 
     def _check_held(self, batch: ComputeBatch) -> None:
