@@ -16,7 +16,11 @@ reported, never silently dropped.
 
 Ownership specs (settings `storage.owned_experts`): "all", or comma-separated items
 `LAYERS[:EXPERTS]`, each a number or an inclusive range `a-b`: "1-9" = every expert of layers
-1..9; "1-19:0-31" = experts 0..31 of layers 1..19; "3:5" = expert 5 of layer 3.
+1..9; "1-19:0-31" = experts 0..31 of layers 1..19; "3:5" = expert 5 of layer 3. Or one
+shard of a layer-interleaved split, for replicas that know only their ordinal (a Kubernetes
+StatefulSet's pod index): "I/N" = every N-th MoE layer from the I-th (0-based, in MoE-layer
+order), "I/N*R" = shards I, I+1, ..., I+R-1 (mod N), so that N replicas hold every layer R
+times and any R-1 of them may die.
 """
 
 from __future__ import annotations
@@ -57,6 +61,16 @@ def parse_owned(spec: str, moe_layers: Sequence[int], n_experts: int) -> set[Exp
     """The (layer, expert) keys an ownership spec names, checked against the model."""
     if spec.strip().lower() in ("", "all"):
         return {(layer, e) for layer in moe_layers for e in range(n_experts)}
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*(?:\*\s*(\d+)\s*)?", spec)
+    if m:
+        i, n = int(m.group(1)), int(m.group(2))
+        r = int(m.group(3)) if m.group(3) is not None else 1
+        if not 0 <= i < n or not 1 <= r <= n:
+            raise InvalidArgument(f"owned experts {spec!r}: shard I/N*R needs 0 <= I < N and 1 <= R <= N")
+        if n > len(moe_layers):
+            raise InvalidArgument(f"owned experts {spec!r}: {n} shards of {len(moe_layers)} MoE layers leave "
+                                  "some shard empty")
+        return {(layer, e) for j, layer in enumerate(moe_layers) if (j - i) % n < r for e in range(n_experts)}
     moe = set(moe_layers)
     out: set[ExpertKey] = set()
     for item in spec.split(","):

@@ -94,7 +94,9 @@ class StorageSection(_Section):
                                         "placement map); empty: measured by a start-up bandwidth probe.")
     owned_experts: str = Field("all", description="The experts this store serves (its shard): `all`, or "
                                "comma-separated `LAYERS[:EXPERTS]` items, each a number or an inclusive range, e.g. "
-                               "`1-9` or `1-19:0-31`. Layer files absent from the model directory are left out too.")
+                               "`1-9` or `1-19:0-31`; or `I/N` (every N-th MoE layer from the I-th) and `I/N*R` (R consecutive such "
+                               "shards), for replicas that know only their ordinal. Layer files absent from the model "
+                               "directory are left out too.")
     test_read_delay_file: Path | None = Field(None, description="Test only (the slow disk of `moetier chaos`): "
                                               "a file holding seconds to sleep before each expert read, "
                                               "re-read once a second; unset (the default): no delay.")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -50,6 +51,18 @@ def test_owned_specs_name_layers_and_experts() -> None:
     assert parse_owned("1-3:0-1, 3:3", layers, 4) == {(1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1), (3, 3)}
     for bad, why in (("x", "not a number"), ("3-1", "empty"), ("7", "no MoE layer"), ("1:4", "outside")):
         with pytest.raises(InvalidArgument, match=why):
+            parse_owned(bad, layers, 4)
+    # layer-interleaved shards by replica ordinal: N replicas, each layer on R of them
+    assert parse_owned("0/2", layers, 2) == {(1, 0), (1, 1), (3, 0), (3, 1)}
+    assert parse_owned(" 1 / 2 ", layers, 2) == {(2, 0), (2, 1)}
+    for n, r in ((3, 1), (3, 2), (2, 2)):
+        shards = [parse_owned(f"{i}/{n}*{r}", layers, 2) for i in range(n)]
+        for layer in layers:  # every expert on exactly R replicas
+            assert sum((layer, 0) in s for s in shards) == r
+    assert parse_owned("2/3*2", layers, 2) == {(3, 0), (3, 1), (1, 0), (1, 1)}  # wraps around
+    for bad, why in (("3/3", "0 <= I < N"), ("0/2*3", "1 <= R <= N"), ("0/0", "0 <= I < N"),
+                     ("0/4", "leave some shard empty")):
+        with pytest.raises(InvalidArgument, match=re.escape(why)):
             parse_owned(bad, layers, 4)
     keys = parse_owned("1-3:0-1, 3:3", layers, 4)
     assert to_ranges(keys) == [ExpertRange(1, 0, 2), ExpertRange(2, 0, 2), ExpertRange(3, 0, 2),
