@@ -53,6 +53,13 @@ static qmat make_qmat(int dtype, int64_t rows, int64_t cols, int64_t g) {
     w.cols = cols;
     if (dtype == DT_F32 || dtype == DT_BF16) {
         w.row_bytes = cols * (dtype == DT_F32 ? 4 : 2);
+    } else if (dtype == DT_MXFP4) {
+        w.g = MT_MX_GROUP;
+        w.ngroups = (cols + MT_MX_GROUP - 1) / MT_MX_GROUP;
+        w.row_bytes = w.ngroups * MT_MX_GROUP / 2;
+        uint8_t *e = mt_xalloc((size_t)(rows * w.ngroups));
+        for (int64_t i = 0; i < rows * w.ngroups; i++) e[i] = (uint8_t)(118 + next_u32() % 12); /* 2^-9..2^2 */
+        w.escales = e;
     } else {
         w.g = g;
         w.ngroups = (cols + g - 1) / g;
@@ -85,6 +92,7 @@ static qmat make_qmat(int dtype, int64_t rows, int64_t cols, int64_t g) {
 static void free_qmat(qmat *w) {
     free((void *)w->data);
     free((void *)w->scales);
+    free((void *)w->escales);
 }
 
 static void report(const char *name, const mt_isa *isa, const float *out, int64_t n) {
@@ -95,11 +103,11 @@ int main(void) {
     static const int64_t shapes[][3] = {{1, 16, 16}, {5, 33, 32}, {9, 64, 64},  {7, 100, 64}, {13, 130, 32},
                                         {4, 47, 10}, {6, 96, 48}, {11, 200, 6}, {3, 8, 8},    {17, 520, 64}};
     static const int64_t tokens[] = {1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 100};
-    static const char *dts[] = {"f32", "bf16", "int8", "int4"};
+    static const char *dts[] = {"f32", "bf16", "int8", "int4", "mxfp4"};
     char name[128];
-    for (int dt = 0; dt < 4; dt++)
+    for (int dt = 0; dt < 5; dt++)
         for (size_t si = 0; si < sizeof(shapes) / sizeof(shapes[0]); si++) {
-            const int64_t R = shapes[si][0], C = shapes[si][1], g = shapes[si][2];
+            const int64_t R = shapes[si][0], C = shapes[si][1], g = dt == DT_MXFP4 ? MT_MX_GROUP : shapes[si][2];
             qmat w = make_qmat(dt, R, C, g);
             float *bias = floats(R, 1.0f);
             for (size_t ti = 0; ti < sizeof(tokens) / sizeof(tokens[0]); ti++) {
@@ -113,7 +121,7 @@ int main(void) {
                     if (mt_linear(mt_isas[i], 2, x, T, &w, (T % 2) ? bias : NULL, y) != 0) return 2;
                     report(name, mt_isas[i], y, T * R);
                 }
-                if (dt >= DT_INT8 && g % 64 == 0) { /* the int8-activation contract */
+                if ((dt == DT_INT8 || dt == DT_INT4) && g % 64 == 0) { /* the int8-activation contract */
                     snprintf(name, sizeof(name), "linear-q8/%s/R%lld/C%lld/g%lld/T%lld", dts[dt], (long long)R,
                              (long long)C, (long long)g, (long long)T);
                     for (int i = 0; mt_isas[i]; i++) {
@@ -130,7 +138,7 @@ int main(void) {
             free_qmat(&w);
         }
     /* expert FFN: gate and up [I, D], down [D, I] */
-    for (int dt = 2; dt < 4; dt++) {
+    for (int dt = 2; dt < 5; dt++) {
         const int64_t D = 72, I = 40;
         qmat gt = make_qmat(dt, I, D, 16), up = make_qmat(dt, I, D, 16), dn = make_qmat(dt, D, I, 8);
         for (int64_t T = 1; T <= 9; T += 4) {
@@ -160,11 +168,21 @@ int main(void) {
             for (int64_t t = 0; t < T; t++) pos[t] = (int64_t)(next_u32() % (uint32_t)S);
             snprintf(name, sizeof(name), "attention/H%lld/Hkv%lld/dq%lld/dv%lld/T%lld", (long long)H,
                      (long long)Hkv, (long long)dq, (long long)dv, (long long)T);
+            float *sinks = floats(H, 2.0f);
             for (int i = 0; mt_isas[i]; i++) {
                 if (!mt_isas[i]->supported()) continue;
-                if (mt_attention(mt_isas[i], 2, q, k, v, pos, T, H, S, Hkv, dq, dv, 0.3f, y) != 0) return 2;
+                if (mt_attention(mt_isas[i], 2, q, k, v, pos, T, H, S, Hkv, dq, dv, 0.3f, NULL, 0, y) != 0) return 2;
                 report(name, mt_isas[i], y, T * H * dv);
             }
+            /* learned sinks and a sliding window (gpt-oss) */
+            for (int i = 0; mt_isas[i]; i++) {
+                if (!mt_isas[i]->supported()) continue;
+                char sw[160];
+                snprintf(sw, sizeof(sw), "%s/sinks-window3", name);
+                if (mt_attention(mt_isas[i], 2, q, k, v, pos, T, H, S, Hkv, dq, dv, 0.3f, sinks, 3, y) != 0) return 2;
+                report(sw, mt_isas[i], y, T * H * dv);
+            }
+            free(sinks);
             free(q);
             free(k);
             free(v);
@@ -201,6 +219,9 @@ int main(void) {
             mt_isas[i]->swiglu(y, x, n);
             report("swiglu", mt_isas[i], y, n);
         }
+        memcpy(y, x, (size_t)n * 4);
+        mt_glu_clamped(y, x + 1, n - 1, 1.702f, 7.0f); /* one implementation for every path */
+        report("glu-clamped", &mt_isa_generic, y, n);
         free(x);
         free(y);
     }

@@ -14,11 +14,19 @@ import pytest
 from moetier.kernels import FastOps, c_available, c_paths, warmup
 from moetier.kernels.fast import Backend
 from moetier.model.ops import ReferenceOps, combine_slots
-from moetier.weights.quant import ExpertWeights, QDType, QTensor, quantize
+from moetier.weights.quant import (
+    ExpertAct,
+    ExpertWeights,
+    QDType,
+    QTensor,
+    mxfp4_tensor,
+    quantize,
+    relative_rms_error,
+)
 
 BACKENDS = [name for name, runs in c_paths().items() if runs] + ["numba"]
 REF = ReferenceOps()
-DTYPES = ("f32", "bf16", "int8", "int4")
+DTYPES = ("f32", "bf16", "int8", "int4", "mxfp4")
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -593,3 +601,118 @@ def test_c_kernels_are_built_where_a_compiler_exists() -> None:
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler here: the numba kernels serve")
     assert c_available(), c_problem()
+
+
+# ---------------------------------------------------------------- gpt-oss: mxfp4, sinks, windows, clamped SwiGLU
+
+
+def mxfp4_source(rng: np.random.Generator, rows: int, cols: int) -> QTensor:
+    """Checkpoint-style MXFP4 bytes: every nibble code (the -0 code 8 included) and scales from
+    2^-127 (the subnormal) to 2^8."""
+    g = -(-cols // 32)
+    blocks = rng.integers(0, 256, (rows, g, 16), dtype=np.uint8)
+    scales = rng.integers(118, 136, (rows, g), dtype=np.uint8)
+    scales[0, 0] = 0
+    return mxfp4_tensor(blocks, scales, cols)
+
+
+def test_mxfp4_dequantizes_to_the_ocp_values() -> None:
+    """e2m1 * 2^(e - 127), computed independently in float64 with ldexp (the way transformers
+    decodes gpt-oss's experts), low nibble first, -0 kept."""
+    rng = np.random.default_rng(51)
+    w = mxfp4_source(rng, 5, 70)
+    lut = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    want = np.zeros((5, 96))
+    for r in range(5):
+        for c in range(96):
+            b = int(w.data[r, c // 2])
+            want[r, c] = np.ldexp(lut[(b >> 4) if c % 2 else (b & 15)], int(w.scales[r, c // 32]) - 127)
+    got = w.dequantize()
+    assert got.shape == (5, 70)
+    assert same_bits(got, want[:, :70].astype(np.float32))
+    assert np.signbit(got).any() and (got == 0).any()
+
+
+def test_mxfp4_kernels_give_the_reference_values_and_the_same_bits_everywhere() -> None:
+    rng = np.random.default_rng(52)
+    all_ops = [FastOps(b, threads=2) for b in BACKENDS]
+    for rows, cols in ((1, 32), (9, 64), (13, 100), (17, 2048), (6, 40)):
+        w = mxfp4_source(rng, rows, cols)
+        eye = np.eye(cols, dtype=np.float32)
+        ref = w.dequantize().T
+        for o in all_ops:  # against an identity input each output is one weight (up to the sign of 0)
+            got = o.linear(eye, w)
+            assert np.array_equal(got, ref) and same_bits(np.abs(got), np.abs(ref)), (o.backend, rows, cols)
+        for t in (1, 2, 3, 4, 5, 9, 17, 40):
+            x = rand(rng, t, cols)
+            bias = rand(rng, rows) if t % 2 else None
+            outs = [o.linear(x, w, bias) for o in all_ops]
+            close(REF.linear(x, w, bias), outs[0])
+            assert all(same_bits(got, outs[0]) for got in outs[1:]), (rows, cols, t)
+
+
+def test_mxfp4_quantizer_rounds_to_the_grid_and_a_source_round_trips() -> None:
+    rng = np.random.default_rng(53)
+    x = rand(rng, 4, 64)
+    q = quantize(x, "mxfp4")
+    assert q.scales is not None and q.scales.dtype == np.uint8 and q.data.shape == (4, 32)
+    err = np.abs(q.dequantize() - x)
+    scale = np.repeat(np.exp2(q.scales.astype(np.float64) - 127), 32, axis=1)
+    # half the widest grid step (2 * scale), or the clamp of values in (6, 8) * scale to 6
+    assert (err <= 2 * scale + 1e-12).all() and relative_rms_error(x, q.dequantize()) < 0.2
+    w = mxfp4_source(rng, 3, 64)
+    back = mxfp4_tensor(w.data.reshape(3, 2, 16), w.scales, 64)  # the checkpoint's bytes, as they are
+    assert np.array_equal(back.data, w.data) and np.array_equal(back.scales, w.scales)
+    with pytest.raises(ValueError, match="do not hold"):
+        mxfp4_tensor(w.data.reshape(3, 2, 16), w.scales[:, :1], 64)
+
+
+def test_attention_sinks_and_window_match_the_reference_and_agree_everywhere() -> None:
+    rng = np.random.default_rng(54)
+    all_ops = [FastOps(b, threads=2) for b in BACKENDS]
+    for h, hkv, dq, s, window in ((4, 2, 16, 23, 5), (8, 1, 40, 40, 8), (3, 3, 7, 9, 1), (6, 2, 16, 12, 0)):
+        q, k, v = rand(rng, 6, h, dq), rand(rng, s, hkv, dq), rand(rng, s, hkv, dq)
+        sinks = rand(rng, h) * 2
+        pos = np.sort(rng.integers(0, s, 6))
+        pos[-1] = s - 1
+        want = REF.attention(q, k, v, pos, 0.3, sinks, window)
+        outs = [o.attention(q, k, v, pos, 0.3, sinks, window) for o in all_ops]
+        close(want, outs[0])
+        assert all(same_bits(got, outs[0]) for got in outs[1:]), (h, hkv, dq, window)
+        # one token at a time (the decode kernel) gives the bits of the whole block (the prefill kernel)
+        for t in range(6):
+            one = all_ops[0].attention(np.ascontiguousarray(q[t:t + 1]), k, v, pos[t:t + 1], 0.3, sinks, window)
+            assert same_bits(one[0], outs[0][t])
+        # keys outside the window do not matter
+        if window:
+            k2 = k.copy()
+            k2[: max(0, int(pos[-1]) - window + 1)] = 1e6
+            last = all_ops[0].attention(np.ascontiguousarray(q[-1:]), k2, v, pos[-1:], 0.3, sinks, window)
+            assert same_bits(last[0], outs[0][-1])
+    # a sink of -inf is no sink
+    q, k, v = rand(rng, 2, 2, 8), rand(rng, 5, 1, 8), rand(rng, 5, 1, 8)
+    pos = np.array([2, 4])
+    no = np.full(2, -np.inf, dtype=np.float32)
+    assert same_bits(all_ops[0].attention(q, k, v, pos, 0.5, no), all_ops[0].attention(q, k, v, pos, 0.5))
+    with pytest.raises(ValueError, match="sinks"):
+        all_ops[0].attention(q, k, v, pos, 0.5, np.zeros(3, dtype=np.float32))
+
+
+def test_gpt_oss_experts_with_biases_and_clamped_swiglu() -> None:
+    """Biased experts with the clamped SwiGLU: every backend the same bits, close to the reference;
+    the clamp acts (inputs large enough to reach it)."""
+    rng = np.random.default_rng(55)
+    act = ExpertAct("clamped_swiglu", 1.702, 7.0)
+    d, i = 64, 32
+    ex = {e: ExpertWeights(mxfp4_source(rng, i, d), mxfp4_source(rng, i, d), quantize(rand(rng, d, i) * 0.1, "mxfp4"),
+                           rand(rng, i), rand(rng, i), rand(rng, d), act) for e in range(3)}
+    x = rand(rng, 7, d) * 0.05
+    ids = rng.integers(0, 3, (7, 2)).astype(np.int32)
+    wts = rng.random((7, 2), dtype=np.float32)
+    outs = [FastOps(b, threads=2).moe(x, ids, wts, ex) for b in BACKENDS]
+    close(REF.moe(x, ids, wts, ex), outs[0], rtol=1e-4)
+    assert all(same_bits(got, outs[0]) for got in outs[1:])
+    g = REF.linear(x, ex[0].gate, ex[0].gate_bias)
+    assert (g > 7).any() and (g < -7).any()
+    plain = {e: ExpertWeights(w.gate, w.up, w.down) for e, w in ex.items()}
+    assert not np.allclose(FastOps("c" if c_available() else "numba").moe(x, ids, wts, plain), outs[0])

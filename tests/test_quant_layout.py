@@ -7,10 +7,10 @@ import pytest
 
 from moetier.errors import FormatError
 from moetier.weights.layout import RecordLayout
-from moetier.weights.quant import QDTYPES, ExpertWeights, dequantize, quantize, relative_rms_error
+from moetier.weights.quant import QDTYPES, ExpertAct, ExpertWeights, dequantize, quantize, relative_rms_error
 from moetier.weights.schema import tensor_class
 
-BOUND = {"f32": 0.0, "bf16": 0.005, "int8": 0.01, "int4": 0.15}
+BOUND = {"f32": 0.0, "bf16": 0.005, "int8": 0.01, "int4": 0.15, "mxfp4": 0.2}
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
@@ -22,7 +22,7 @@ def test_quantize_round_trip(dtype: str, cols: int) -> None:
     assert y.shape == x.shape and y.dtype == np.float32
     assert relative_rms_error(x, y) <= BOUND[dtype]
     # quantizing the dequantized values again is exact (the scales are what they decided)
-    if dtype in ("int8", "int4"):
+    if dtype in ("int8", "int4", "mxfp4"):
         assert np.array_equal(dequantize(quantize(y, dtype, 64)), y)  # type: ignore[arg-type]
 
 
@@ -69,3 +69,29 @@ def test_tensor_classes() -> None:
     assert tensor_class("layers.3.attn.wq_a", (32, 64)) == "dense"
     assert tensor_class("embed", (512, 64)) == "dense"
     assert tensor_class("lm_head", (512, 64)) == "dense"
+
+
+def test_record_layout_with_biases_and_the_clamped_activation() -> None:
+    """gpt-oss records: mxfp4 matrices, float32 biases after them, the activation in the layout
+    (and in its dict, so the index says how a record is computed); plain layouts' dicts unchanged."""
+    act = ExpertAct("clamped_swiglu", 1.702, 7.0)
+    lay = RecordLayout.build(32, 64, "mxfp4", 64, biases=True, act=act)
+    plain = RecordLayout.build(32, 64, "mxfp4", 64)
+    assert [p.name for p in lay.biases] == ["gate_bias", "up_bias", "down_bias"]
+    assert lay.used_bytes == lay.biases[-1].end > plain.used_bytes
+    assert "biases" not in plain.to_dict() and "act" not in plain.to_dict()
+    assert RecordLayout.from_dict(lay.to_dict()) == lay
+    rng = np.random.default_rng(4)
+    mats = [quantize(rng.standard_normal(s).astype(np.float32), "mxfp4") for s in ((32, 64), (32, 64), (64, 32))]
+    vecs = [rng.standard_normal(n).astype(np.float32) for n in (32, 32, 64)]
+    ew = ExpertWeights(*mats, *vecs, act=act)  # type: ignore[misc]
+    back = lay.parse(lay.pack(ew))
+    assert back.act == act
+    for a, b in zip((back.gate_bias, back.up_bias, back.down_bias), vecs, strict=True):
+        assert a is not None and np.array_equal(a, b)
+    for a, b in zip((back.gate, back.up, back.down), mats, strict=True):
+        assert np.array_equal(a.data, b.data) and np.array_equal(a.scales, b.scales)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="biases"):
+        lay.pack(ExpertWeights(*mats, act=act))
+    with pytest.raises(ValueError, match="activation"):
+        lay.pack(ExpertWeights(*mats, *vecs))  # type: ignore[misc]

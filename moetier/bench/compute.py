@@ -37,6 +37,7 @@ from moetier.kernels.fast import BACKENDS, fma_peak_gflops, read_bandwidth_gbps
 from moetier.model.ops import ReferenceOps, silu
 from moetier.weights.layout import RecordLayout
 from moetier.weights.quant import ExpertWeights, QDType
+from moetier.weights.schema import EXPERTS_ALLOWED
 
 
 def register(sub: Any) -> None:
@@ -46,6 +47,9 @@ def register(sub: Any) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="rows per expert call (default: 1 16)")
     p.add_argument("--model", help="container directory: use its expert shape, dtype and group size "
                                    f"(default: the benchmark model's, {models.BENCHMARK_PRESET} int4 g64)")
+    p.add_argument("--dtype", choices=list(EXPERTS_ALLOWED), default=None,
+                   help="expert dtype of the benchmark model's shape (default int4 g64; mxfp4: gpt-oss's "
+                        "native experts, e2m1 with one e8m0 scale per 32); not with --model")
     p.add_argument("--working-set-mb", type=int, default=1024, help="distinct expert bytes (default 1024)")
     p.add_argument("--rounds", type=int, default=5, help="measurement rounds (default 5)")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: all CPUs)")
@@ -77,9 +81,14 @@ def preset_shape(preset: str = models.BENCHMARK_PRESET) -> Shape:
                  source=f"default ({preset})")
 
 
-def _shape(model: str | None) -> Shape:
+def _shape(model: str | None, dtype: QDType | None = None) -> Shape:
     if model is None:
-        return preset_shape()
+        base = preset_shape()
+        if dtype is None:
+            return base
+        return Shape(base.hidden, base.intermediate, dtype, 32 if dtype == "mxfp4" else 64, base.source)
+    if dtype is not None:
+        raise ValueError("--dtype chooses the benchmark model's expert dtype; a --model brings its own")
     from moetier.weights.container import Container
 
     c = Container.open(model)
@@ -103,7 +112,10 @@ def make_experts(shape: Shape, working_set: int, seed: int = 0) -> list[ExpertWe
             raw = vals.view(np.uint32) >> 16 if p.dtype == "bf16" else vals.view(np.uint32)
             dt = np.uint16 if p.dtype == "bf16" else np.uint32
             records[:, p.data_offset:p.data_offset + p.data_bytes] = raw.astype(dt).view(np.uint8)
-        if p.scales_offset is not None:
+        if p.scales_offset is not None and p.dtype == "mxfp4":  # e8m0 exponents 2^-9 .. 2^0
+            records[:, p.scales_offset:p.scales_offset + p.scales_bytes] = rng.integers(
+                118, 128, (n, p.scales_bytes), dtype=np.uint8)
+        elif p.scales_offset is not None:
             s = (rng.random((n, p.scales_bytes // 2), dtype=np.float32) * 0.01 + 0.001).astype(np.float16)
             records[:, p.scales_offset:p.scales_offset + p.scales_bytes] = s.view(np.uint8)
     return [layout.parse(records[i]) for i in range(n)]
@@ -127,7 +139,7 @@ def _backends(names: list[str]) -> list[str]:
 
 def measure(args: argparse.Namespace, backend: str | None = None) -> dict[str, Any]:
     backend = backend or _backends(args.backend)[0]
-    shape = _shape(args.model)
+    shape = _shape(args.model, getattr(args, "dtype", None))
     experts = make_experts(shape, args.working_set_mb << 20)
     per_expert = experts[0].nbytes
     flops_per_row = 2 * 3 * shape.hidden * shape.intermediate  # gate, up, down

@@ -27,7 +27,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-DT_F32, DT_BF16, DT_INT8, DT_INT4 = 0, 1, 2, 3
+DT_F32, DT_BF16, DT_INT8, DT_INT4, DT_MXFP4 = 0, 1, 2, 3, 4
+MX_GROUP = 32
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                 dtype=np.float32)
 LANES = 16
 RB = 4  # output rows dequantized together (mirrors the C kernels; no effect on bits)
 
@@ -159,6 +162,14 @@ def _sum(a: np.ndarray, n: int, acc: np.ndarray) -> np.float32:
 
 
 @njit(cache=True)
+def _e8m0(e: int) -> np.float32:
+    """e8m0 byte -> 2^(e - 127) (0: the subnormal 2^-127; 255: NaN), exactly (csrc/mt.h mt_e8m0)."""
+    bits = np.zeros(1, np.uint32)
+    bits[0] = 0x00400000 if e == 0 else (0x7FC00000 if e == 255 else e << 23)
+    return bits.view(np.float32)[0]
+
+
+@njit(cache=True)
 def _dequant_row(data: np.ndarray, scales: np.ndarray, dtype: int, g: int, r: int, cols: int,
                  out: np.ndarray, bits: np.ndarray) -> None:
     """Row r of a weight given as bytes -> out[0:cols], exactly the reference values
@@ -179,7 +190,14 @@ def _dequant_row(data: np.ndarray, scales: np.ndarray, dtype: int, g: int, r: in
             sc = _f16(int(scales[r, gi]))
             for c in range(gi * g, min(cols, (gi + 1) * g)):
                 out[c] = np.float32(q8[c]) * sc
-    else:  # whole groups of whole bytes (g is even); out holds Cp >= C values
+    elif dtype == DT_MXFP4:  # whole groups of 32 (scales: the e8m0 bytes, widened)
+        for gi in range(scales.shape[1]):
+            sc = _e8m0(int(scales[r, gi]))
+            for j in range(gi * (MX_GROUP // 2), (gi + 1) * (MX_GROUP // 2)):
+                b = int(row[j])
+                out[2 * j] = _E2M1[b & 15] * sc
+                out[2 * j + 1] = _E2M1[b >> 4] * sc
+    else:  # int4: whole groups of whole bytes (g is even); out holds Cp >= C values
         half = g // 2
         for gi in range(scales.shape[1]):
             sc = _f16(int(scales[r, gi]))
@@ -220,6 +238,20 @@ def swiglu(hg: np.ndarray, hu: np.ndarray) -> None:
 
 
 @njit(cache=True)
+def glu_clamped(hg: np.ndarray, hu: np.ndarray, alpha: np.float32, limit: np.float32) -> None:
+    """hg <- gpt-oss's clamped SwiGLU of (hg, hu), exactly csrc/ops.c mt_glu_clamped."""
+    flat_g = hg.reshape(-1)
+    flat_u = hu.reshape(-1)
+    one = np.float32(1.0)
+    for i in range(flat_g.size):
+        gv = limit if flat_g[i] > limit else flat_g[i]
+        u = flat_u[i]
+        uv = limit if u > limit else (-limit if u < -limit else u)
+        sg = one / (one + _exp(np.float32(0.0) - gv * alpha))
+        flat_g[i] = (uv + one) * (gv * sg)
+
+
+@njit(cache=True)
 def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
     T, C = x.shape
     acc = np.empty(LANES, np.float32)
@@ -251,8 +283,10 @@ def softmax(x: np.ndarray, out: np.ndarray) -> None:
 
 @njit(cache=True, parallel=True)
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, scale: np.float32,
-              out: np.ndarray) -> None:
-    """q [T, H, dq], k [S, Hkv, dq], v [S, Hkv, dv] -> out [T, H, dv]; row t sees keys 0..q_pos[t]."""
+              out: np.ndarray, sinks: np.ndarray, has_sinks: bool, window: int) -> None:
+    """q [T, H, dq], k [S, Hkv, dq], v [S, Hkv, dv] -> out [T, H, dv]; row t sees keys
+    lo..q_pos[t] (lo = 0, or q_pos[t] - window + 1 under a sliding window), with a learned sink
+    per head in the softmax's denominator when has_sinks (csrc/mt.h)."""
     T, H, dq = q.shape
     Hkv, dv = v.shape[1], v.shape[2]
     rep = H // Hkv
@@ -261,16 +295,28 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, sc
         h = item % H
         kvh = h // rep
         n = q_pos[t] + 1
+        lo = q_pos[t] - window + 1 if window > 0 and q_pos[t] - window + 1 > 0 else 0
         acc = np.empty(LANES, np.float32)
-        p = np.empty(n, np.float32)
-        for s in range(n):
-            p[s] = _dot(q[t, h], k[s, kvh], dq, acc) * scale
-        _softmax_row(p, n, p, acc)
+        p = np.empty(n - lo, np.float32)
+        for s in range(lo, n):
+            p[s - lo] = _dot(q[t, h], k[s, kvh], dq, acc) * scale
+        if has_sinks:
+            sink = sinks[h]
+            m = sink
+            for i in range(n - lo):
+                m = p[i] if p[i] > m else m
+            for i in range(n - lo):
+                p[i] = _exp(p[i] - m)
+            den = _sum(p, n - lo, acc) + _exp(sink - m)
+            for i in range(n - lo):
+                p[i] = p[i] / den
+        else:
+            _softmax_row(p, n - lo, p, acc)
         o = out[t, h]
         for d in range(dv):
             o[d] = np.float32(0.0)
-        for s in range(n):
-            ps = p[s]
+        for s in range(lo, n):
+            ps = p[s - lo]
             vr = v[s, kvh]
             for d in range(dv):
                 o[d] = _fma(ps, vr[d], o[d])

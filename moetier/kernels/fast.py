@@ -32,16 +32,16 @@ import numpy.typing as npt
 
 from moetier.kernels import _nbkernels as nb
 from moetier.model.ops import combine_slots
-from moetier.weights.quant import QDTYPES, ExpertWeights, QTensor
+from moetier.weights.quant import MXFP4_GROUP, QDTYPES, ExpertWeights, QTensor
 
 log = logging.getLogger(__name__)
 
 F32 = npt.NDArray[np.float32]
 Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba"]
 BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
-_DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3}
+_DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "mxfp4": 4}
 
-C_KERNELS_VERSION = 6  # MT_KERNELS_VERSION in csrc/mt.h
+C_KERNELS_VERSION = 7  # MT_KERNELS_VERSION in csrc/mt.h
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
@@ -188,6 +188,15 @@ def _matrix_shape(w: QTensor, name: str) -> tuple[int, int]:
                              f"got {w.data.dtype} {w.data.shape}")
         return rows, cols
     g = int(w.group_size)
+    if w.dtype == "mxfp4":
+        cp = -(-cols // MXFP4_GROUP) * MXFP4_GROUP
+        mx_want = ((rows, cp // 2), (rows, cp // MXFP4_GROUP))
+        if (g != MXFP4_GROUP or w.scales is None or w.data.dtype != np.uint8 or w.scales.dtype != np.uint8
+                or (w.data.shape, w.scales.shape) != mx_want):
+            mx_got = (g, w.data.dtype, w.data.shape, None if w.scales is None else (w.scales.dtype, w.scales.shape))
+            raise ValueError(f"{name}: mxfp4 for shape {w.shape} must be g={MXFP4_GROUP}, uint8 data {mx_want[0]} "
+                             f"and uint8 e8m0 scales {mx_want[1]}, got {mx_got}")
+        return rows, cols
     if g <= 0 or (w.dtype == "int4" and g % 2):
         raise ValueError(f"{name}: invalid group size {g} for {w.dtype}")
     cp = -(-cols // g) * g
@@ -206,7 +215,9 @@ def _matrix_shape(w: QTensor, name: str) -> tuple[int, int]:
 def _raw(w: QTensor) -> tuple[int, np.ndarray, np.ndarray | None, int]:
     """(dtype code, data, float16 scales as uint16 bits, g), contiguous and aligned."""
     data = np.require(w.data, None, ["C", "A"])
-    scales = None if w.scales is None else np.require(w.scales, None, ["C", "A"]).view(np.uint16)
+    scales = None if w.scales is None else np.require(w.scales, None, ["C", "A"])
+    if scales is not None and w.dtype != "mxfp4":  # float16 bits; mxfp4's e8m0 bytes go as they are
+        scales = scales.view(np.uint16)
     return _DT[w.dtype], data, scales, int(w.group_size)
 
 
@@ -217,6 +228,9 @@ def _check_expert(w: ExpertWeights, e: int, d: int) -> int:
     if not (dg == du == dd == d and ig == iu == id_):
         raise ValueError(f"expert {e}: gate {w.gate.shape}, up {w.up.shape}, down {w.down.shape} "
                          f"do not fit x [T, {d}] (want gate/up [I, {d}], down [{d}, I])")
+    for what, b, n in (("gate_bias", w.gate_bias, ig), ("up_bias", w.up_bias, ig), ("down_bias", w.down_bias, d)):
+        if b is not None and (b.dtype != np.float32 or b.shape != (n,) or not b.flags.c_contiguous):
+            raise ValueError(f"expert {e}: {what} must be float32 [{n}], got {b.dtype} {b.shape}")
     return ig
 
 
@@ -234,8 +248,13 @@ class _CBackend:
 
     def ffn(self, x: F32, w: ExpertWeights, out: F32) -> None:
         t, d = x.shape
-        self.mod.ffn(x, t, d, w.gate.shape[0], _spec(w.gate, "gate")[2], _spec(w.up, "up")[2],
-                     _spec(w.down, "down")[2], out, self.isa, self.threads, self.int8)
+        if _plain(w):
+            self.mod.ffn(x, t, d, w.gate.shape[0], _spec(w.gate, "gate")[2], _spec(w.up, "up")[2],
+                         _spec(w.down, "down")[2], out, self.isa, self.threads, self.int8)
+            return
+        hg, hu = _hidden(self, x, w)
+        self.mod.glu_clamped(hg, hu, hg.size, w.act.alpha, w.act.limit)
+        self.linear(hg, w.down, w.down_bias, out)
 
     def rmsnorm(self, x: F32, weight: F32, eps: float, out: F32) -> None:
         self.mod.rmsnorm(x, x.shape[0], x.shape[1], weight, eps, out, self.isa)
@@ -243,10 +262,28 @@ class _CBackend:
     def softmax(self, x: F32, out: F32) -> None:
         self.mod.softmax(x, x.shape[0], x.shape[1], out, self.isa)
 
-    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float, out: F32) -> None:
+    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float, out: F32,
+                  sinks: F32 | None, window: int) -> None:
         t, h, dq = q.shape
         s, hkv, dv = v.shape
-        self.mod.attention(q, k, v, q_pos, t, h, s, hkv, dq, dv, scale, out, self.isa, self.threads)
+        self.mod.attention(q, k, v, q_pos, t, h, s, hkv, dq, dv, scale, out, self.isa, self.threads, sinks, window)
+
+
+def _plain(w: ExpertWeights) -> bool:
+    """A SwiGLU expert without biases: the fused ffn kernel."""
+    return w.act.kind == "silu" and w.gate_bias is None and w.up_bias is None and w.down_bias is None
+
+
+def _hidden(k: _CBackend | _NumbaBackend, x: F32, w: ExpertWeights) -> tuple[F32, F32]:
+    """gate x + gate_bias, up x + up_bias: [T, I] each (an expert with biases, gpt-oss)."""
+    if w.act.kind != "clamped_swiglu":
+        raise ValueError(f"expert activation {w.act.kind!r} with biases is not supported (clamped_swiglu)")
+    t, i = x.shape[0], w.gate.shape[0]
+    hg = np.empty((t, i), dtype=np.float32)
+    hu = np.empty((t, i), dtype=np.float32)
+    k.linear(x, w.gate, w.gate_bias, hg)
+    k.linear(x, w.up, w.up_bias, hu)
+    return hg, hu
 
 
 _NO_SCALES = np.zeros((1, 0), dtype=np.uint16)
@@ -261,6 +298,8 @@ class _NumbaBackend:
     def _bytes(w: QTensor) -> tuple[np.ndarray, np.ndarray, int, int]:
         code, data, scales, g = _raw(w)
         rows = data.shape[0]
+        if scales is not None and scales.dtype == np.uint8:  # mxfp4's e8m0 bytes: one signature for all
+            scales = scales.astype(np.uint16)
         return data.view(np.uint8).reshape(rows, -1), (_NO_SCALES if scales is None else scales), code, g
 
     def _threads(self) -> None:
@@ -276,6 +315,11 @@ class _NumbaBackend:
                   bias is not None, out)
 
     def ffn(self, x: F32, w: ExpertWeights, out: F32) -> None:
+        if not _plain(w):
+            hg, hu = _hidden(self, x, w)
+            nb.glu_clamped(hg, hu, np.float32(w.act.alpha), np.float32(w.act.limit))
+            self.linear(hg, w.down, w.down_bias, out)
+            return
         t, i = x.shape[0], w.gate.shape[0]
         hg = np.empty((t, i), dtype=np.float32)
         hu = np.empty((t, i), dtype=np.float32)
@@ -290,9 +334,11 @@ class _NumbaBackend:
     def softmax(self, x: F32, out: F32) -> None:
         nb.softmax(x, out)
 
-    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float, out: F32) -> None:
+    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float, out: F32,
+                  sinks: F32 | None, window: int) -> None:
         self._threads()
-        nb.attention(q, k, v, q_pos, np.float32(scale), out)
+        nb.attention(q, k, v, q_pos, np.float32(scale), out, _NO_BIAS if sinks is None else sinks,
+                     sinks is not None, int(window))
 
 
 # ---------------------------------------------------------------- FastOps
@@ -368,8 +414,10 @@ class FastOps:
             self._k.softmax(flat, out)
         return out.reshape(x.shape)
 
-    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float) -> F32:
-        """q [T, H, dq], k [S, Hkv, dq], v [S, Hkv, dv], q_pos [T] -> [T, H, dv] (causal by q_pos)."""
+    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float,
+                  sinks: F32 | None = None, window: int = 0) -> F32:
+        """q [T, H, dq], k [S, Hkv, dq], v [S, Hkv, dv], q_pos [T] -> [T, H, dv] (causal by q_pos;
+        sinks [H]: a learned logit per head in the softmax; window W: keys q_pos - W + 1 .. q_pos)."""
         q, k, v = _f32(q, "q"), _f32(k, "k"), _f32(v, "v")
         pos = np.asarray(q_pos)
         if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
@@ -387,9 +435,15 @@ class FastOps:
         pos = np.require(pos, np.int64, ["C", "A"])
         if t and (pos.min() < 0 or pos.max() >= s):
             raise ValueError(f"attention: q_pos {pos.min()}..{pos.max()} outside the {s} cached positions")
+        if sinks is not None:
+            sinks = _f32(sinks, "sinks")
+            if sinks.shape != (h,):
+                raise ValueError(f"attention: sinks {sinks.shape} do not fit {h} query heads (want [{h}])")
+        if window < 0:
+            raise ValueError(f"attention: sliding window {window} must be >= 0 (0: none)")
         out = np.empty((t, h, dv), dtype=np.float32)
         if t and h and dv:
-            self._k.attention(q, k, v, pos, float(scale), out)
+            self._k.attention(q, k, v, pos, float(scale), out, sinks, int(window))
         return out
 
     def expert_ffn(self, x: F32, w: ExpertWeights) -> F32:
@@ -521,8 +575,9 @@ def warmup(backend: Backend = "auto") -> None:
     for dt in QDTYPES:
         w = quantize(rng.standard_normal((6, 40), dtype=np.float32), dt, 32)
         ops.linear(x, w, np.zeros(6, dtype=np.float32))
-    ew = ExpertWeights(*(quantize(rng.standard_normal(s, dtype=np.float32), "int4", 32)
-                         for s in ((8, 40), (8, 40), (40, 8))))
+    gate, up, down = (quantize(rng.standard_normal(s, dtype=np.float32), "int4", 32)
+                      for s in ((8, 40), (8, 40), (40, 8)))
+    ew = ExpertWeights(gate, up, down)
     ops.moe(x, np.array([[0], [0]], dtype=np.int32), np.ones((2, 1), dtype=np.float32), {0: ew})
     ops.rmsnorm(x, np.ones(40, dtype=np.float32), 1e-6)
     ops.softmax(x)

@@ -44,12 +44,14 @@ class Ops(Protocol):
         """Row-wise softmax over the last axis; x [T, N] -> [T, N]."""
         ...
 
-    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float) -> F32:
+    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float,
+                  sinks: F32 | None = None, window: int = 0) -> F32:
         """Causal attention of T query rows against one sequence's S cached positions.
 
-        q [T, H, dq], k [S, Hkv, dq], v [S, Hkv, dv], q_pos [T] absolute positions:
-        row t sees keys 0..q_pos[t]. Query head h uses key/value head h // (H // Hkv).
-        Returns [T, H, dv].
+        q [T, H, dq], k [S, Hkv, dq], v [S, Hkv, dv], q_pos [T] positions in k/v:
+        row t sees keys 0..q_pos[t] (window W > 0: q_pos[t] - W + 1 .. q_pos[t]). Query head h
+        uses key/value head h // (H // Hkv). sinks [H]: one learned logit per head that takes
+        part in the softmax's normalisation and attends to nothing (gpt-oss). Returns [T, H, dv].
         """
         ...
 
@@ -144,6 +146,13 @@ def silu(x: F32) -> F32:
     return (x / (1.0 + np.exp(-x))).astype(np.float32, copy=False)
 
 
+def glu_clamped(g: F32, u: F32, alpha: float, limit: float) -> F32:
+    """gpt-oss's clamped SwiGLU: (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit)."""
+    gc = np.minimum(g, np.float32(limit))
+    uc = np.clip(u, -np.float32(limit), np.float32(limit))
+    return ((uc + 1) * (gc * sigmoid(gc * np.float32(alpha)))).astype(np.float32, copy=False)
+
+
 class ReferenceOps:
     """Plain numpy: dequantize, then BLAS. The oracle every fast kernel is tested against."""
 
@@ -161,7 +170,8 @@ class ReferenceOps:
         z = np.exp(x - x.max(axis=-1, keepdims=True))
         return (z / z.sum(axis=-1, keepdims=True)).astype(np.float32)
 
-    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float) -> F32:
+    def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float,
+                  sinks: F32 | None = None, window: int = 0) -> F32:
         t, h, _ = q.shape
         s, hkv, _ = v.shape
         rep = h // hkv
@@ -169,7 +179,14 @@ class ReferenceOps:
         vv = np.repeat(v, rep, axis=1)  # [S, H, dv]
         scores = np.einsum("thd,shd->hts", q, kk) * scale  # [H, T, S]
         mask = np.arange(s)[None, :] > q_pos[:, None]  # [T, S]
+        if window > 0:
+            mask |= np.arange(s)[None, :] <= q_pos[:, None] - window
         scores = np.where(mask[None], -np.inf, scores)
+        if sinks is not None:  # the sink is one more logit per head, dropped after the softmax
+            sink_col = np.broadcast_to(sinks.astype(np.float32)[:, None, None], (h, t, 1))
+            full = np.concatenate([scores, sink_col], axis=-1).astype(np.float32)  # [H, T, S + 1]
+            p = self.softmax(full.reshape(h * t, s + 1)).reshape(h, t, s + 1)[..., :s]
+            return np.ascontiguousarray(np.einsum("hts,shd->thd", p, vv), dtype=np.float32)
         p = self.softmax(scores.reshape(h * t, s).astype(np.float32)).reshape(h, t, s)
         out = np.einsum("hts,shd->thd", p, vv)  # [T, H, dv]
         return np.ascontiguousarray(out, dtype=np.float32)
@@ -192,5 +209,6 @@ class ReferenceOps:
             rows, slots = np.nonzero(ids == e)
             w = experts[int(e)]
             xe = x[rows]
-            hidden = silu(self.linear(xe, w.gate)) * self.linear(xe, w.up)  # [n, I]
-            out[rows, slots] = self.linear(hidden, w.down)
+            g, u = self.linear(xe, w.gate, w.gate_bias), self.linear(xe, w.up, w.up_bias)  # [n, I]
+            hidden = glu_clamped(g, u, w.act.alpha, w.act.limit) if w.act.kind == "clamped_swiglu" else silu(g) * u
+            out[rows, slots] = self.linear(hidden, w.down, w.down_bias)

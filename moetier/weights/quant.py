@@ -7,6 +7,7 @@ vector stored in one of four dtypes:
     bf16  data uint16  [R, C]              (bfloat16 bit patterns; numpy has no bf16)
     int8  data int8    [R, Cp]             scales float16 [R, Cp // g]
     int4  data uint8   [R, Cp // 2]        scales float16 [R, Cp // g]
+    mxfp4 data uint8   [R, Cp // 2]        scales uint8 (e8m0) [R, Cp // 32], g = 32
 
 Quantization is symmetric with one scale per group of g consecutive input
 values of a row (g = 64 by default; g = C is "per-row"). Cp is C rounded up to
@@ -17,6 +18,13 @@ with q in [-7, 7]. Value = q * scale, computed in float32.
 Scales are float16 to keep int4 records small (6% overhead at g = 64);
 quantization uses the rounded float16 scale, so dequantization is exact to
 what the quantizer decided.
+
+mxfp4 is the OCP microscaling FP4 format gpt-oss ships its experts in, kept as
+it is (4.25 bits per weight): nibbles packed like int4 (column 2j low, 2j+1
+high), each an e2m1 value (sign, 2 exponent bits, 1 mantissa bit:
+0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, -0 included), one e8m0 scale
+2^(e - 127) per 32 columns (e = 0: 2^-127, a float32 subnormal; e = 255: NaN).
+Value = e2m1 * scale, exact in float32 (or an IEEE overflow to inf at e = 254).
 """
 
 from __future__ import annotations
@@ -27,10 +35,22 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-QDType = Literal["f32", "bf16", "int8", "int4"]
-QDTYPES: tuple[QDType, ...] = ("f32", "bf16", "int8", "int4")
+QDType = Literal["f32", "bf16", "int8", "int4", "mxfp4"]
+QDTYPES: tuple[QDType, ...] = ("f32", "bf16", "int8", "int4", "mxfp4")
 QMAX = {"int8": 127, "int4": 7}
 DEFAULT_GROUP_SIZE = 64
+MXFP4_GROUP = 32  # values per e8m0 scale (the OCP MX block)
+# e2m1 code -> value; codes 8..15 are the negatives of 0..7 (8 is -0.0)
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                dtype=np.float32)
+
+
+def e8m0_to_f32(e: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]:
+    """e8m0 scale bytes -> 2^(e - 127) as float32 (0: the subnormal 2^-127; 255: NaN)."""
+    u = np.asarray(e, dtype=np.uint32)
+    bits = np.where(u == 0, np.uint32(0x00400000), u << np.uint32(23))
+    bits = np.where(u == 255, np.uint32(0x7FC00000), bits).astype(np.uint32)
+    return bits.view(np.float32)
 
 
 @dataclass(frozen=True)
@@ -38,8 +58,8 @@ class QTensor:
     dtype: QDType
     shape: tuple[int, ...]  # logical shape: (R, C) or (N,)
     data: np.ndarray
-    scales: np.ndarray | None = None  # float16 [R, Cp // g] for int8/int4
-    group_size: int = 0  # g for int8/int4, 0 otherwise
+    scales: np.ndarray | None = None  # float16 [R, Cp // g] for int8/int4, uint8 e8m0 for mxfp4
+    group_size: int = 0  # g for int8/int4 (32 for mxfp4), 0 otherwise
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +102,8 @@ def quantize(w: npt.ArrayLike, dtype: QDType, group_size: int = DEFAULT_GROUP_SI
         return QTensor("f32", a.shape, np.ascontiguousarray(a))
     if dtype == "bf16":
         return QTensor("bf16", a.shape, bf16_bits(a))
+    if dtype == "mxfp4":
+        return quantize_mxfp4(a)
     if dtype not in QMAX:
         raise ValueError(f"unknown quantization dtype {dtype!r}; expected one of {QDTYPES}")
     if a.ndim != 2:
@@ -106,6 +128,49 @@ def quantize(w: npt.ArrayLike, dtype: QDType, group_size: int = DEFAULT_GROUP_SI
     return QTensor("int4", (rows, cols), packed, scales, group_size)
 
 
+def quantize_mxfp4(w: npt.ArrayLike) -> QTensor:
+    """A float matrix [R, C] -> mxfp4 (OCP MX: shared exponent floor(log2(amax)) - 2 per 32
+    values, each value rounded to the nearest e2m1, ties to even, clamped to +-6). Lossy, like
+    any quantizer; an MXFP4 source is never re-quantized (the converter copies its bytes)."""
+    a = np.asarray(w, dtype=np.float32)
+    if a.ndim != 2:
+        raise ValueError(f"mxfp4 quantization needs a 2-D matrix, got shape {a.shape}")
+    rows, cols = a.shape
+    cp = _padded(cols, MXFP4_GROUP)
+    if cp != cols:
+        a = np.pad(a, ((0, 0), (0, cp - cols)))
+    g = a.reshape(rows, cp // MXFP4_GROUP, MXFP4_GROUP).astype(np.float64)  # [R, G, 32]
+    amax = np.abs(g).max(axis=-1)  # [R, G]
+    with np.errstate(divide="ignore"):
+        exp = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2, -127)
+    e = np.clip(exp + 127, 0, 254).astype(np.uint8)  # [R, G]
+    scaled = g / e8m0_to_f32(e).astype(np.float64)[..., None]
+    mags = E2M1[:8].astype(np.float64)  # the grid, increasing
+    m = np.minimum(np.abs(scaled), 6.0)
+    idx = np.searchsorted(mags, m)  # first grid value >= m
+    lo = np.clip(idx - 1, 0, 7)
+    hi = np.clip(idx, 0, 7)
+    dlo, dhi = m - mags[lo], mags[hi] - m
+    pick_hi = (dhi < dlo) | ((dhi == dlo) & (hi % 2 == 0))  # ties to the even code (0 mantissa bit)
+    code = np.where(pick_hi, hi, lo).astype(np.uint8)
+    code = code | np.where(np.signbit(scaled) & (code > 0), np.uint8(8), np.uint8(0)).astype(np.uint8)  # 0 is +0
+    q = code.reshape(rows, cp)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # [R, Cp // 2]
+    return QTensor("mxfp4", (rows, cols), packed, e, MXFP4_GROUP)
+
+
+def mxfp4_tensor(blocks: npt.NDArray[np.uint8], scales: npt.NDArray[np.uint8], cols: int) -> QTensor:
+    """An MXFP4 matrix as checkpoints store it (blocks uint8 [R, C/32, 16], scales uint8 [R, C/32])
+    -> QTensor, the same bytes (lossless: nothing is decoded)."""
+    rows = blocks.shape[0]
+    g = -(-cols // MXFP4_GROUP)
+    if blocks.shape != (rows, g, MXFP4_GROUP // 2) or scales.shape != (rows, g):
+        raise ValueError(f"mxfp4 blocks {list(blocks.shape)} and scales {list(scales.shape)} do not hold a "
+                         f"[{rows}, {cols}] matrix (want [{rows}, {g}, 16] and [{rows}, {g}])")
+    data = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows, g * MXFP4_GROUP // 2)
+    return QTensor("mxfp4", (rows, cols), data, np.ascontiguousarray(scales, dtype=np.uint8), MXFP4_GROUP)
+
+
 def unpack_int4(packed: npt.NDArray[np.uint8]) -> npt.NDArray[np.int8]:
     """[R, Cp // 2] packed nibbles -> [R, Cp] int8 values in [-8, 7]."""
     lo = (packed & 0x0F).astype(np.int8) - 8
@@ -123,6 +188,14 @@ def dequantize(t: QTensor) -> npt.NDArray[np.float32]:
     if t.dtype == "bf16":
         return bf16_to_f32(t.data)
     assert t.scales is not None
+    if t.dtype == "mxfp4":
+        codes = np.empty((t.data.shape[0], t.data.shape[1] * 2), dtype=np.uint8)
+        codes[:, 0::2] = t.data & 0x0F
+        codes[:, 1::2] = t.data >> 4
+        vals = E2M1[codes].reshape(codes.shape[0], -1, MXFP4_GROUP)  # [R, G, 32]
+        with np.errstate(over="ignore", invalid="ignore"):
+            w = (vals * e8m0_to_f32(t.scales)[..., None]).reshape(codes.shape)
+        return np.ascontiguousarray(w[:, : t.shape[1]])
     q = unpack_int4(t.data) if t.dtype == "int4" else t.data
     rows, cp = q.shape
     g = q.reshape(rows, cp // t.group_size, t.group_size).astype(np.float32)
@@ -138,6 +211,9 @@ def quantized_nbytes(shape: tuple[int, ...], dtype: QDType, group_size: int = DE
     if dtype == "bf16":
         return 2 * n, 0
     rows, cols = shape
+    if dtype == "mxfp4":
+        cp = _padded(cols, MXFP4_GROUP)
+        return rows * cp // 2, rows * (cp // MXFP4_GROUP)
     cp = _padded(cols, group_size)
     data = rows * cp if dtype == "int8" else rows * cp // 2
     return data, rows * (cp // group_size) * 2
@@ -153,13 +229,34 @@ def relative_rms_error(ref: npt.ArrayLike, approx: npt.ArrayLike) -> float:
 
 
 @dataclass(frozen=True)
+class ExpertAct:
+    """An expert's gated activation. "silu": silu(g) * u. "clamped_swiglu" (gpt-oss):
+    g = min(g, limit), u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
+
+    kind: Literal["silu", "clamped_swiglu"] = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {"kind": self.kind, "alpha": self.alpha, "limit": self.limit}
+
+
+SILU = ExpertAct()
+
+
+@dataclass(frozen=True)
 class ExpertWeights:
-    """One routed expert: SwiGLU FFN  y = down(silu(gate x) * up x)."""
+    """One routed expert: SwiGLU FFN  y = down(act(gate x, up x)) (+ biases: gpt-oss)."""
 
     gate: QTensor  # [I, D]
     up: QTensor  # [I, D]
     down: QTensor  # [D, I]
+    gate_bias: npt.NDArray[np.float32] | None = None  # [I]
+    up_bias: npt.NDArray[np.float32] | None = None  # [I]
+    down_bias: npt.NDArray[np.float32] | None = None  # [D]
+    act: ExpertAct = SILU
 
     @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        biases = sum(b.nbytes for b in (self.gate_bias, self.up_bias, self.down_bias) if b is not None)
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes + biases

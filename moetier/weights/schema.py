@@ -16,7 +16,7 @@ from moetier.weights.quant import QDType
 
 TensorClass = Literal["experts", "dense", "exact"]
 EXPERT_PARTS: tuple[str, ...] = ("gate", "up", "down")
-EXPERTS_ALLOWED: tuple[QDType, ...] = ("int4", "int8", "bf16", "f32")
+EXPERTS_ALLOWED: tuple[QDType, ...] = ("int4", "int8", "bf16", "f32", "mxfp4")
 DENSE_ALLOWED: tuple[QDType, ...] = ("int8", "int4", "bf16", "f32")
 # The MTP head: int8 by default, never int4 (an int4 head drafts with 0-4% acceptance: the seed's
 # measurement, docs/internals.md "The MTP head")

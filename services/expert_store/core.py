@@ -240,8 +240,9 @@ class StoreCore:
         g = int(self.container.quantization["group_size"])
         dtype = cast(QDType, self.shape.expert_dtype)
         d = 2 * g  # [I, D] = [8, 2g]: tiny, but the model's dtype and group size
-        ew = ExpertWeights(*(quantize(rng.standard_normal(s, dtype=np.float32), dtype, g)
-                             for s in ((8, d), (8, d), (d, 8))))
+        gate, up, down = (quantize(rng.standard_normal(s, dtype=np.float32), dtype, g)
+                          for s in ((8, d), (8, d), (d, 8)))
+        ew = ExpertWeights(gate, up, down)
         x = rng.standard_normal((2, d), dtype=np.float32)
         self.ops.moe(x, np.zeros((2, 1), dtype=np.int32), np.ones((2, 1), dtype=np.float32), {0: ew})
 

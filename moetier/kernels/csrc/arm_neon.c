@@ -115,10 +115,42 @@ INLINE void chunk_w(const int dtype, const uint8_t *rp, int64_t c, float32x4_t s
     }
 }
 
+/* mxfp4, sixteen columns at c: each nibble's magnitude doubled (0, 1, 2, 3, 4, 6, 8, 12:
+ * integers) by a byte table lookup, widened, times half the scale (a power of two: exact),
+ * then the nibble's sign bit set (-0 kept): exactly e2m1(nibble) * scale (mt.h). */
+INLINE void chunk_mxfp4(const uint8_t *rp, int64_t c, float32x4_t half_sc, float32x4_t w[4]) {
+    static const uint8_t mag2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0};
+    const uint8x8_t b = vld1_u8(rp + c / 2);
+    const uint8x8_t lo = vand_u8(b, vdup_n_u8(15)), hi = vshr_n_u8(b, 4);
+    const uint8x16_t nib = vcombine_u8(vzip1_u8(lo, hi), vzip2_u8(lo, hi)); /* columns 0-15 */
+    const uint8x16_t m = vqtbl1q_u8(vld1q_u8(mag2), vandq_u8(nib, vdupq_n_u8(7)));
+    const uint8x16_t sg = vandq_u8(nib, vdupq_n_u8(8));
+    const uint16x8_t m0 = vmovl_u8(vget_low_u8(m)), m1 = vmovl_u8(vget_high_u8(m));
+    const uint16x8_t s0 = vmovl_u8(vget_low_u8(sg)), s1 = vmovl_u8(vget_high_u8(sg));
+    const uint16x4_t mv[4] = {vget_low_u16(m0), vget_high_u16(m0), vget_low_u16(m1), vget_high_u16(m1)};
+    const uint16x4_t sv[4] = {vget_low_u16(s0), vget_high_u16(s0), vget_low_u16(s1), vget_high_u16(s1)};
+    for (int k = 0; k < 4; k++) {
+        const float32x4_t v = vmulq_f32(vcvtq_f32_u32(vmovl_u16(mv[k])), half_sc);
+        w[k] = vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(v), vshlq_n_u32(vmovl_u16(sv[k]), 28)));
+    }
+}
+
 /* Row values for the buffered paths: exactly mt_dequant_row_generic. */
 static const float *row_values_neon(const qmat *w, int64_t r, float *buf) {
     const uint8_t *row = w->data + r * w->row_bytes;
     if (w->dtype == DT_F32) return (const float *)row;
+    if (w->dtype == DT_MXFP4) {
+        const uint8_t *es = w->escales + r * w->ngroups;
+        for (int64_t gi = 0; gi < w->ngroups; gi++) {
+            const float32x4_t half_sc = vdupq_n_f32(mt_e8m0(es[gi]) * 0.5f);
+            for (int64_t c = gi * MT_MX_GROUP; c < (gi + 1) * MT_MX_GROUP; c += 16) {
+                float32x4_t wv[4];
+                chunk_mxfp4(row, c, half_sc, wv);
+                for (int k = 0; k < 4; k++) vst1q_f32(buf + c + 4 * k, wv[k]);
+            }
+        }
+        return buf;
+    }
     if (w->dtype == DT_BF16 || w->g % 16) {
         mt_dequant_row_generic(w, r, buf);
         return buf;
@@ -289,7 +321,7 @@ static void linear_block_neon(const linear_ctx *k, int64_t r0, float *buf) {
     const int64_t R = w->rows, C = w->cols, T = k->T;
     const int nr = (int)(R - r0 < RB ? R - r0 : RB);
     const int quant = w->dtype == DT_INT8 || w->dtype == DT_INT4;
-    if (T > TBMAX || (quant && w->g % 16)) {
+    if (T > TBMAX || (quant && w->g % 16) || w->dtype == DT_MXFP4) { /* mxfp4: dequantized rows */
         if (T <= TBMAX) {
             mt_linear_block_tiles(k, r0, buf, row_values_neon, tile_neon);
             return;

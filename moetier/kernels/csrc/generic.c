@@ -55,6 +55,19 @@ MT_CLONES void mt_dequant_row_generic(const qmat *w, int64_t r, float *buf) {
         }
         break;
     }
+    case DT_MXFP4: {
+        const uint8_t *s = w->escales + r * w->ngroups;
+        for (int64_t gi = 0; gi < w->ngroups; gi++) { /* whole groups, like int4 */
+            const float sc = mt_e8m0(s[gi]);
+            const uint8_t *q = row + gi * (MT_MX_GROUP / 2);
+            float *o = buf + gi * MT_MX_GROUP;
+            for (int64_t j = 0; j < MT_MX_GROUP / 2; j++) {
+                o[2 * j] = mt_e2m1[q[j] & 15] * sc;
+                o[2 * j + 1] = mt_e2m1[q[j] >> 4] * sc;
+            }
+        }
+        break;
+    }
     }
 }
 

@@ -56,6 +56,15 @@ static int parse_qmat(bufset *bs, PyObject *spec, int64_t rows, int64_t cols, qm
         w->row_bytes = dtype == DT_INT8 ? w->ngroups * g : w->ngroups * g / 2;
         w->scales = get_buf(bs, scales, rows * w->ngroups * 2, 0, what);
         if (!w->scales) return -1;
+    } else if (dtype == DT_MXFP4) {
+        if (g != MT_MX_GROUP) {
+            PyErr_Format(PyExc_ValueError, "%s: mxfp4 has group size %d, got %lld", what, MT_MX_GROUP, g);
+            return -1;
+        }
+        w->ngroups = (cols + g - 1) / g;
+        w->row_bytes = w->ngroups * g / 2;
+        w->escales = get_buf(bs, scales, rows * w->ngroups, 0, what);
+        if (!w->escales) return -1;
     } else {
         PyErr_Format(PyExc_ValueError, "%s: unknown dtype code %d", what, dtype);
         return -1;
@@ -190,17 +199,21 @@ static PyObject *py_softmax(PyObject *self, PyObject *args) {
 
 static PyObject *py_attention(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *qo, *ko, *vo, *po, *yo;
-    long long T, H, S, Hkv, dq, dv;
+    PyObject *qo, *ko, *vo, *po, *yo, *so = Py_None;
+    long long T, H, S, Hkv, dq, dv, window = 0;
     float scale;
     int isa_i, nthreads;
-    if (!PyArg_ParseTuple(args, "OOOOLLLLLLfOii", &qo, &ko, &vo, &po, &T, &H, &S, &Hkv, &dq, &dv, &scale,
-                          &yo, &isa_i, &nthreads))
+    if (!PyArg_ParseTuple(args, "OOOOLLLLLLfOii|OL", &qo, &ko, &vo, &po, &T, &H, &S, &Hkv, &dq, &dv, &scale,
+                          &yo, &isa_i, &nthreads, &so, &window))
         return NULL;
     const mt_isa *isa = get_isa(isa_i);
     if (!isa) return NULL;
+    if (window < 0) {
+        PyErr_Format(PyExc_ValueError, "sliding window %lld must be >= 0", window);
+        return NULL;
+    }
     bufset bs = {.n = 0};
-    const float *q, *k, *v;
+    const float *q, *k, *v, *sinks = NULL;
     const int64_t *qpos;
     float *y;
     int rc;
@@ -210,7 +223,8 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     }
     if (!(q = get_buf(&bs, qo, T * H * dq * 4, 0, "q")) || !(k = get_buf(&bs, ko, S * Hkv * dq * 4, 0, "k")) ||
         !(v = get_buf(&bs, vo, S * Hkv * dv * 4, 0, "v")) || !(qpos = get_buf(&bs, po, T * 8, 0, "q_pos")) ||
-        !(y = get_buf(&bs, yo, T * H * dv * 4, 1, "out"))) {
+        !(y = get_buf(&bs, yo, T * H * dv * 4, 1, "out")) ||
+        (so != Py_None && !(sinks = get_buf(&bs, so, H * 4, 0, "sinks")))) {
         bufset_release(&bs);
         return NULL;
     }
@@ -223,10 +237,30 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    rc = mt_attention(isa, nthreads, q, k, v, qpos, T, H, S, Hkv, dq, dv, scale, y);
+    rc = mt_attention(isa, nthreads, q, k, v, qpos, T, H, S, Hkv, dq, dv, scale, sinks, window, y);
     Py_END_ALLOW_THREADS
     bufset_release(&bs);
     if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_glu_clamped(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *go, *uo;
+    long long n;
+    float alpha, limit;
+    if (!PyArg_ParseTuple(args, "OOLff", &go, &uo, &n, &alpha, &limit)) return NULL;
+    bufset bs = {.n = 0};
+    float *g;
+    const float *u;
+    if (!(g = get_buf(&bs, go, n * 4, 1, "gate")) || !(u = get_buf(&bs, uo, n * 4, 0, "up"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    mt_glu_clamped(g, u, n, alpha, limit);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
     Py_RETURN_NONE;
 }
 
@@ -305,7 +339,9 @@ static PyMethodDef methods[] = {
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, T, C, weight, eps, out, isa)"},
     {"softmax", py_softmax, METH_VARARGS, "softmax(x, T, N, out, isa)"},
     {"attention", py_attention, METH_VARARGS,
-     "attention(q, k, v, q_pos, T, H, S, Hkv, dq, dv, scale, out, isa, threads)"},
+     "attention(q, k, v, q_pos, T, H, S, Hkv, dq, dv, scale, out, isa, threads, sinks=None, window=0)"},
+    {"glu_clamped", py_glu_clamped, METH_VARARGS,
+     "glu_clamped(gate, up, N, alpha, limit): gpt-oss's clamped SwiGLU into gate, elementwise"},
     {"exp", py_exp, METH_VARARGS, "exp(x, N, out, isa): the contract's exponential, elementwise"},
     {"fma_probe", py_fma_probe, METH_VARARGS,
      "fma_probe(isa, threads, rounds) -> flops: twelve independent fma chains per thread chunk (the FMA peak)"},

@@ -28,6 +28,10 @@
  * linear, dq for attention scores, the row's own number of visible keys for the softmax
  * denominator), or a maximum (exact in any order), or the attention output
  * out[d] = fma(p[s], v[s][d], out[d]) for s = 0, 1, ..., q_pos in order, per element d.
+ * Attention with a sliding window W sees keys max(0, q_pos - W + 1) .. q_pos (the same
+ * reductions over that range); with a learned sink per head (gpt-oss), the row's maximum
+ * is max(keys' maximum, sink), and the denominator is sum(exp(score - m)) + exp(sink - m),
+ * that one add after the contract's sum.
  * Every other operation is elementwise IEEE arithmetic.
  * Blocking over output rows, tokens, heads or keys, threading, and the choice of code
  * path only decide WHICH accumulator is computed WHEN, never the operations inside one
@@ -36,7 +40,9 @@
  * Weights: a quantized weight is exactly q * scale (int8: q; int4: nibble - 8), the value
  * moetier.weights.quant.dequantize produces; that product is exact in float32 (at most
  * 8 + 11 significant bits), so a path may form it in any exact way (e.g. one fma of the
- * nibble with scale and -8 * scale). Quantized weights stay quantized in memory: a path
+ * nibble with scale and -8 * scale). mxfp4: e2m1(nibble) * 2^(e - 127) (mt_e2m1, mt_e8m0),
+ * exact too (2 significant bits times a power of two, -0 kept -0); a path may look up the
+ * magnitude and set the sign bit apart (IEEE multiplication takes the sign apart as well). Quantized weights stay quantized in memory: a path
  * dequantizes a chunk in registers or a block of rows into a small per-thread buffer,
  * never a whole matrix.
  *
@@ -68,9 +74,10 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 6
+#define MT_KERNELS_VERSION 7
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3 };
+enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
+#define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
 #define RB 4    /* output rows per block */
 #define TBMAX 4 /* tokens per tile of the generic path; also the fused-decode limit */
 
@@ -78,7 +85,8 @@ typedef struct {
     int dtype;
     const uint8_t *data;    /* row r starts at data + r * row_bytes */
     int64_t row_bytes;
-    const uint16_t *scales; /* [rows, ngroups] float16 bits; NULL for f32 / bf16 */
+    const uint16_t *scales; /* [rows, ngroups] float16 bits; NULL for f32 / bf16 / mxfp4 */
+    const uint8_t *escales; /* [rows, ngroups] e8m0 exponents (mxfp4 only) */
     int64_t ngroups;
     int64_t rows, cols;     /* logical R, C */
     int64_t g;              /* group size (0 for f32 / bf16) */
@@ -178,6 +186,17 @@ static inline float mt_f16(uint16_t h) {
     return v;
 }
 
+/* mxfp4: the e2m1 value of a nibble (8: -0.0) and 2^(e - 127) of an e8m0 byte (0: the
+ * subnormal 2^-127, 255: NaN) -- moetier.weights.quant.E2M1 and e8m0_to_f32 */
+static const float mt_e2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                  -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+static inline float mt_e8m0(uint8_t e) {
+    const uint32_t bits = e == 0 ? 0x00400000u : e == 255 ? 0x7fc00000u : (uint32_t)e << 23;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
 /* exp coefficients (Cephes expf): ln 2 = EXP_C1 + EXP_C2, EXP_C1 exact in 9 bits */
 #define EXP_LOG2E 1.44269504088896341f
 #define EXP_C1 0.693359375f
@@ -240,9 +259,13 @@ int mt_ffn_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const 
               const qmat *down, float *y);
 void mt_rmsnorm(const mt_isa *isa, const float *x, int64_t T, int64_t C, const float *wt, float eps, float *y);
 void mt_softmax_row(const mt_isa *isa, const float *x, int64_t n, float *y);
+/* sinks: NULL or [H] (one learned logit per head in every row's softmax); window: 0 or W */
 int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k, const float *v,
                  const int64_t *qpos, int64_t T, int64_t H, int64_t S, int64_t Hkv, int64_t dq, int64_t dv,
-                 float scale, float *out);
+                 float scale, const float *sinks, int64_t window, float *out);
+/* gpt-oss's clamped SwiGLU, elementwise: g = min(g, limit), u = clamp(u, -limit, limit),
+ * g = (u + 1) * (g * (1 / (1 + exp(-(g * alpha))))) -- with the contract's exp, in place in g */
+void mt_glu_clamped(float *g, const float *u, int64_t n, float alpha, float limit);
 
 /* The probes on nthreads threads: flops done / a checksum of the bytes read. */
 double mt_fma_probe(const mt_isa *isa, int nthreads, int64_t rounds);

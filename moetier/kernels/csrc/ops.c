@@ -128,6 +128,15 @@ int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qma
     return rc;
 }
 
+void mt_glu_clamped(float *g, const float *u, int64_t n, float alpha, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        const float gv = g[i] > limit ? limit : g[i]; /* min(g, limit), NaN kept */
+        const float uv = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+        const float sg = 1.0f / (1.0f + mt_exp(0.0f - gv * alpha));
+        g[i] = (uv + 1.0f) * (gv * sg);
+    }
+}
+
 /* ---------------------------------------------------------------- int8 activations (lossy) */
 
 /* The quantized weight of row r at column c: q (int8) or nibble - 8 (int4). */
@@ -255,6 +264,18 @@ void mt_softmax_row(const mt_isa *isa, const float *x, int64_t n, float *y) {
 
 /* ---------------------------------------------------------------- attention */
 
+/* A softmax row with a learned sink logit in the denominator (mt.h: one add after the sum). */
+static void softmax_row_sink(const mt_isa *isa, const float *x, int64_t n, float sink, float *y) {
+    const float mx = isa->max(x, n), m = mx > sink ? mx : sink;
+    isa->exp_shift(x, m, n, y);
+    isa->divide(y, isa->sum(y, n) + mt_exp(sink - m), n);
+}
+
+/* The first key row t sees: 0, or q_pos - W + 1 under a sliding window W. */
+static inline int64_t first_key(int64_t qpos, int64_t window) {
+    return window > 0 && qpos - window + 1 > 0 ? qpos - window + 1 : 0;
+}
+
 typedef struct {
     const mt_isa *isa;
     const float *q, *k, *v;
@@ -264,6 +285,8 @@ typedef struct {
     float *out;
     atomic_int failed;
     int64_t T, tbk; /* tokens, tokens per block (the many-row path) */
+    const float *sinks; /* [H] or NULL */
+    int64_t window;     /* 0: causal over every earlier key */
 } attn_ctx;
 
 #define ATT_BLOCK_QUERIES 32 /* query vectors per block of the many-row path */
@@ -283,7 +306,7 @@ static void attention_item(void *ctx, int64_t it) {
     const int64_t t = it / (Hkv * a->ngroups), kvh = (it / a->ngroups) % Hkv, hg = it % a->ngroups;
     const int64_t h0 = kvh * rep + hg * a->hgroup;
     const int64_t nh = rep - hg * a->hgroup < a->hgroup ? rep - hg * a->hgroup : a->hgroup;
-    const int64_t n = a->qpos[t] + 1; /* keys 0..q_pos[t] */
+    const int64_t n = a->qpos[t] + 1, lo = first_key(a->qpos[t], a->window); /* keys lo..q_pos[t] */
     const int64_t stride = S + 16;
     float *sc = mt_scratch(5, (size_t)(nh * stride));
     if (!sc) {
@@ -291,7 +314,7 @@ static void attention_item(void *ctx, int64_t it) {
         return;
     }
     /* scores: (4 heads) x (4 keys) tiles of the dot contract, key block outermost */
-    for (int64_t s0 = 0; s0 < n; s0 += RB) {
+    for (int64_t s0 = lo; s0 < n; s0 += RB) {
         const int ns = (int)(n - s0 < RB ? n - s0 : RB);
         const float *kr[RB];
         for (int i = 0; i < RB; i++) kr[i] = a->k + ((s0 + (i < ns ? i : 0)) * Hkv + kvh) * dq;
@@ -305,10 +328,14 @@ static void attention_item(void *ctx, int64_t it) {
                 for (int i = 0; i < ns; i++) sc[(hb + j) * stride + s0 + i] = res[j][i] * a->scale;
         }
     }
-    for (int64_t h = 0; h < nh; h++) mt_softmax_row(isa, sc + h * stride, n, sc + h * stride);
+    for (int64_t h = 0; h < nh; h++) {
+        float *row = sc + h * stride + lo;
+        if (a->sinks) softmax_row_sink(isa, row, n - lo, a->sinks[h0 + h], row);
+        else mt_softmax_row(isa, row, n - lo, row);
+    }
     /* out = sum_s p[s] v[s], s increasing, in key blocks that every head block revisits */
     for (int64_t h = 0; h < nh; h++) memset(a->out + (t * H + h0 + h) * dv, 0, (size_t)dv * 4);
-    for (int64_t s0 = 0; s0 < n; s0 += ATT_SB) {
+    for (int64_t s0 = lo; s0 < n; s0 += ATT_SB) {
         const int64_t s1 = s0 + ATT_SB < n ? s0 + ATT_SB : n;
         for (int64_t hb = 0; hb < nh; hb += 4) {
             const int nb = (int)(nh - hb < 4 ? nh - hb : 4);
@@ -357,16 +384,17 @@ static void attention_block(void *ctx, int64_t it) {
         return;
     }
     for (int64_t i = 0; i < nq; i++) {
+        const int64_t qp = a->qpos[tb0 + i / rep], n = qp + 1, lo = first_key(qp, a->window);
         float *row = sc + i * nmax;
-        const int64_t n = a->qpos[tb0 + i / rep] + 1;
-        for (int64_t s = 0; s < n; s++) row[s] = row[s] * a->scale;
-        mt_softmax_row(isa, row, n, row);
+        for (int64_t s = lo; s < n; s++) row[s] = row[s] * a->scale;
+        if (a->sinks) softmax_row_sink(isa, row + lo, n - lo, a->sinks[kvh * rep + i % rep], row + lo);
+        else mt_softmax_row(isa, row + lo, n - lo, row + lo);
     }
     for (int64_t j = 0; j < nt; j++) memset(a->out + ((tb0 + j) * H + kvh * rep) * dv, 0, (size_t)(rep * dv) * 4);
     for (int64_t s0 = 0; s0 < nmax; s0 += ATT_SB)
         for (int64_t j = 0; j < nt; j++) {
-            const int64_t n = a->qpos[tb0 + j] + 1;
-            if (n <= s0) continue;
+            const int64_t n = a->qpos[tb0 + j] + 1, lo = first_key(a->qpos[tb0 + j], a->window);
+            if (n <= s0 || lo >= s0 + ATT_SB) continue;
             const int64_t s1 = s0 + ATT_SB < n ? s0 + ATT_SB : n;
             for (int64_t hb = 0; hb < rep; hb += 4) {
                 const int nb = (int)(rep - hb < 4 ? rep - hb : 4);
@@ -377,7 +405,7 @@ static void attention_block(void *ctx, int64_t it) {
                     p[i] = sc + (j * rep + h) * nmax;
                     o[i] = a->out + ((tb0 + j) * H + kvh * rep + h) * dv;
                 }
-                isa->pv(nb, p, a->v + kvh * dv, Hkv * dv, s0, s1, dv, o);
+                isa->pv(nb, p, a->v + kvh * dv, Hkv * dv, s0 > lo ? s0 : lo, s1, dv, o);
             }
         }
 }
@@ -385,14 +413,14 @@ static void attention_block(void *ctx, int64_t it) {
 /* Causal attention of T query rows of one sequence; the work items are independent. */
 int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k, const float *v,
                  const int64_t *qpos, int64_t T, int64_t H, int64_t S, int64_t Hkv, int64_t dq, int64_t dv,
-                 float scale, float *out) {
+                 float scale, const float *sinks, int64_t window, float *out) {
     const int64_t rep = H / Hkv;
     if (T > 1) {
         /* blocks of at least ATT_BLOCK_QUERIES query vectors, as many blocks as threads */
         int64_t tbk = (ATT_BLOCK_QUERIES + rep - 1) / rep;
         if (tbk > T) tbk = T;
         while (tbk > 1 && ((T + tbk - 1) / tbk) * Hkv < nthreads) tbk = (tbk + 1) / 2;
-        attn_ctx a = {isa, q, k, v, qpos, H, S, Hkv, dq, dv, rep, 0, 0, scale, out, 0, T, tbk};
+        attn_ctx a = {isa, q, k, v, qpos, H, S, Hkv, dq, dv, rep, 0, 0, scale, out, 0, T, tbk, sinks, window};
         mt_pool_run(nthreads, ((T + tbk - 1) / tbk) * Hkv, attention_block, &a);
         return atomic_load(&a.failed) ? -1 : 0;
     }
@@ -402,7 +430,7 @@ int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k
     int64_t hgroup = (rep + splits - 1) / splits;
     hgroup = (hgroup + 3) / 4 * 4;
     const int64_t ngroups = (rep + hgroup - 1) / hgroup;
-    attn_ctx a = {isa, q, k, v, qpos, H, S, Hkv, dq, dv, rep, hgroup, ngroups, scale, out, 0, T, 1};
+    attn_ctx a = {isa, q, k, v, qpos, H, S, Hkv, dq, dv, rep, hgroup, ngroups, scale, out, 0, T, 1, sinks, window};
     mt_pool_run(nthreads, T * Hkv * ngroups, attention_item, &a);
     return atomic_load(&a.failed) ? -1 : 0;
 }

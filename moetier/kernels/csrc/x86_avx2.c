@@ -163,6 +163,28 @@ MT_AVX2 static const float *row_values_avx2(const qmat *w, int64_t r, float *buf
         }
         return buf;
     }
+    if (w->dtype == DT_MXFP4) {
+        /* lane l holds nibble l of the chunk's word; its magnitude from an eight-entry table,
+         * times the scale, and the nibble's sign bit set apart (exact: see mt.h) */
+        const __m256 mag = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+        const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        const __m256i m7 = _mm256_set1_epi32(7), m8 = _mm256_set1_epi32(8);
+        const uint8_t *es = w->escales + r * w->ngroups;
+        for (int64_t gi = 0; gi < w->ngroups; gi++) {
+            const __m256 sc = _mm256_set1_ps(mt_e8m0(es[gi]));
+            const uint8_t *q = row + gi * (MT_MX_GROUP / 2);
+            float *o = buf + gi * MT_MX_GROUP;
+            for (int64_t c = 0; c < MT_MX_GROUP; c += 8) {
+                int32_t word;
+                memcpy(&word, q + c / 2, 4);
+                const __m256i nib = _mm256_srlv_epi32(_mm256_set1_epi32(word), sh);
+                const __m256 v = _mm256_mul_ps(_mm256_permutevar8x32_ps(mag, _mm256_and_si256(nib, m7)), sc);
+                const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(nib, m8), 28);
+                _mm256_storeu_ps(o + c, _mm256_or_ps(v, _mm256_castsi256_ps(sign)));
+            }
+        }
+        return buf;
+    }
     if (w->g % 16) { /* groups that split a chunk of 16: the plain loop */
         mt_dequant_row_generic(w, r, buf);
         return buf;
@@ -514,7 +536,8 @@ static void linear_block_avx2(const linear_ctx *k, int64_t r0, float *buf) {
     const int64_t R = w->rows, C = w->cols, T = k->T;
     const int nr = (int)(R - r0 < RB ? R - r0 : RB);
     const int quant = w->dtype == DT_INT8 || w->dtype == DT_INT4;
-    if (quant && w->g % 16) { /* groups that split a chunk: dequantized rows, then tiles */
+    /* groups that split a chunk, and mxfp4: dequantized rows, then tiles */
+    if ((quant && w->g % 16) || w->dtype == DT_MXFP4) {
         if (T <= TBMAX) {
             mt_linear_block_tiles(k, r0, buf, row_values_avx2, tile_avx2);
             return;

@@ -135,6 +135,23 @@ MT_AVX512 static void dequant_int4_avx512(const qmat *w, int64_t r, float *buf) 
     }
 }
 
+/* mxfp4: like int4 g32 -- 16 bytes -> the group's 32 columns; nibble n maps through the
+ * 16-entry table e2m1(n) * scale (the products of mt.h, -0 kept). */
+MT_AVX512 static void dequant_mxfp4_avx512(const qmat *w, int64_t r, float *buf) {
+    const uint8_t *row = w->data + r * w->row_bytes;
+    const uint8_t *es = w->escales + r * w->ngroups;
+    const __m512 e2m1 = _mm512_loadu_ps(mt_e2m1);
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    for (int64_t gi = 0; gi < w->ngroups; gi++) {
+        const __m512 table = _mm512_mul_ps(e2m1, _mm512_set1_ps(mt_e8m0(es[gi])));
+        const __m128i v = _mm_loadu_si128((const __m128i *)(row + gi * (MT_MX_GROUP / 2)));
+        const __m128i lo = _mm_and_si128(v, lo4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+        float *o = buf + gi * MT_MX_GROUP;
+        _mm512_storeu_ps(o, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table));
+        _mm512_storeu_ps(o + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), table));
+    }
+}
+
 /* int8, group size a multiple of 16. */
 MT_AVX512 static void dequant_int8_avx512(const qmat *w, int64_t r, float *buf) {
     const int8_t *row = (const int8_t *)(w->data + r * w->row_bytes);
@@ -338,6 +355,7 @@ static const float *row_values_avx512(const qmat *w, int64_t r, float *buf) {
     case DT_INT4:
         if (w->g % 32 == 0) { dequant_int4_avx512(w, r, buf); return buf; }
         break;
+    case DT_MXFP4: dequant_mxfp4_avx512(w, r, buf); return buf;
     }
     mt_dequant_row_generic(w, r, buf);
     return buf;
@@ -345,7 +363,7 @@ static const float *row_values_avx512(const qmat *w, int64_t r, float *buf) {
 
 /* The fused path covers every dtype whose chunks of 16 columns share one scale. */
 static int fused_ok(const qmat *w, int64_t T) {
-    if (T > TBMAX || !cpu_vbmi()) return 0;
+    if (T > TBMAX || !cpu_vbmi() || w->dtype == DT_MXFP4) return 0; /* mxfp4: dequantized rows, tiles */
     return (w->dtype != DT_INT8 && w->dtype != DT_INT4) || w->g % 16 == 0;
 }
 
