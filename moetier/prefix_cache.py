@@ -82,7 +82,7 @@ import xxhash
 
 from moetier.errors import FormatError
 from moetier.model.config import ModelArgs
-from moetier.model.kv_cache import KVCache, cache_extra, cache_layout, cache_state, state_key
+from moetier.model.kv_cache import KVCache, cache_extra, cache_layout, cache_state, cache_windows, state_key
 from moetier.prefix import BLOCK, block_hashes
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,10 @@ ALIGN = 64
 STALE_TMP_S = 600.0  # a temporary file this old is a dead writer's
 
 Arrays = dict[str, np.ndarray]
+
+
+class _NotResumable(Exception):
+    """A prefix entry whose sliding-window layers no longer hold the window of the shared length."""
 
 
 def kv_identity(container_files: dict[str, Any], index_identity: str, args: ModelArgs) -> str:
@@ -192,6 +196,7 @@ class PrefixCache:
         self.extra = {str(i): {k: list(v) for k, v in lay.items()} for i, lay in cache_extra(args).items()}
         # the fixed-size state of the linear-attention layers: {layer: {name: shape}}
         self.state = {str(i): {k: list(v) for k, v in lay.items()} for i, lay in cache_state(args).items()}
+        self.windows = cache_windows(args)  # sliding-window layers keep their last positions only
         self._lock = threading.RLock()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._index: dict[int, set[int]] = {}  # block hash -> keys of the entries holding that block prefix
@@ -218,7 +223,11 @@ class PrefixCache:
             if best is None:
                 break
             entry, n = best
-            found = self._load(entry, n)
+            try:
+                found = self._load(entry, n)
+            except _NotResumable as e:  # its sliding-window layers no longer reach back to n: a miss
+                log.info("prefix cache: %s", e)
+                break
             if found is None:
                 continue  # its file was rejected and the entry dropped: look again
             kv, source = found
@@ -269,9 +278,10 @@ class PrefixCache:
                 if self._entries.get(entry.key) is entry:
                     entry.arrays = arrays
                     self._trim_memory()
-        part = {name: a[:n] for name, a in arrays.items() if not name.startswith("state.")}
-        part.update({name: a for name, a in arrays.items() if name.startswith("state.")})  # from_arrays takes <= n
-        return KVCache.from_arrays(self.args, part), source
+        try:  # the first n positions (a sliding-window layer must still hold the window of position n)
+            return KVCache.from_arrays(self.args, arrays, n), source
+        except ValueError as e:
+            raise _NotResumable(f"an entry of {entry.tokens} tokens cannot resume at {n}: {e}") from None
 
     # ---- insert ----------------------------------------------------------------------
     def insert(self, kv: KVCache) -> int:
@@ -640,6 +650,10 @@ class PrefixCache:
         out: Arrays = {}
         for spec in header["arrays"]:
             name = spec["name"]
+            w = self.windows.get(int(name.split(".")[1])) if name.startswith("layers.") else None
+            if w is not None and name in want and spec["shape"][1:] == want[name][1][1:] \
+                    and min(n, w) <= spec["shape"][0] <= n:
+                want[name] = (want[name][0], spec["shape"])  # a sliding-window layer: its last positions
             if name not in want or (spec["dtype"], spec["shape"]) != want[name]:
                 raise FormatError(f"array {name!r} is {spec['dtype']} {spec['shape']}, expected {want.get(name)}")
             dt = np.dtype(spec["dtype"])

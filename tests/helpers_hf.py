@@ -34,11 +34,13 @@ from moetier.model.experts import DictExperts
 from moetier.model.forward import Model
 from moetier.model.mtp import MtpHead
 from moetier.model.ops import Ops, ReferenceOps
-from moetier.weights.quant import ExpertWeights, QTensor, quantize
+from moetier.weights.layout import model_layout
+from moetier.weights.quant import ExpertWeights, QTensor, mxfp4_tensor, quantize
 from moetier.weights.schema import dense_shapes, expert_shapes
 
 ARCHS = ("deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm_moe_dsa",
-         "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5_moe", "kimi_k25")
+         "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5_moe", "kimi_k25",
+         "gpt_oss")
 DSA_ARCHS = ("glm_moe_dsa", "deepseek_v32")
 SYNTH_MODULE = "moetier.convert.synth"
 HELPER_GENERATOR = "tests/helpers_hf.py"
@@ -152,6 +154,17 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "linear_num_value_heads": 2, "layer_types": ["linear_attention", "full_attention"] * 2,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     },
+    # a clamp that acts (limit 0.8 on O(1) activations), another alpha, a window of 3 in a
+    # full-sliding-sliding pattern, three of sixteen experts, YaRN with truncation (the default)
+    "gpt_oss": {
+        "model_type": "gpt_oss", "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "intermediate_size": 32, "num_local_experts": 16, "num_experts_per_tok": 3,
+        "rms_norm_eps": 1e-5, "sliding_window": 3, "attention_bias": True, "swiglu_limit": 0.8,
+        "swiglu_alpha": 1.3, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+        "router_aux_loss_coef": 0.0,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "original_max_position_embeddings": 64},
+    },
     "olmoe": {
         "model_type": "olmoe", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
         "intermediate_size": 32, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False,
@@ -186,8 +199,10 @@ def _value(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.nd
     z = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith("norm"):
         return 1.0 + 0.1 * z
-    if name.endswith(("bq", "bk", "bv", "router_bias", "index_k_bias")):
+    if name.endswith(("bq", "bk", "bv", "router_bias", "index_k_bias", "bo", "_bias")):
         return 0.1 * z
+    if name.endswith("sinks"):
+        return z
     return z / np.float32(np.sqrt(shape[-1]))
 
 
@@ -207,6 +222,9 @@ def write_tiny_checkpoint(arch: str, out_dir: Path, seed: int, overrides: dict[s
     for src, parts in adapter.source_tensors(list(canonical), args):
         tensors[src] = adapter.to_source(src, {n: canonical[n] for n in parts}, args)
     for layer in args.moe_layer_ids:
+        if args.expert_bias:  # gpt-oss: fused, interleaved, transposed (moetier/convert/adapters/gpt_oss.py)
+            tensors.update(_gpt_oss_fused(rng, args, layer))
+            continue
         for e in range(args.n_routed_experts):
             for part, shape in expert_shapes(args).items():
                 tensors[adapter.expert_source_name(layer, e, part)] = _value(rng, part, shape)  # type: ignore[arg-type]
@@ -214,6 +232,17 @@ def write_tiny_checkpoint(arch: str, out_dir: Path, seed: int, overrides: dict[s
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     save_file(dict(sorted(tensors.items())), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def _gpt_oss_fused(rng: np.random.Generator, args: ModelArgs, layer: int) -> dict[str, np.ndarray]:
+    e, i, d = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
+    p = f"model.layers.{layer}.mlp.experts."
+    gate, up = _value(rng, "gate", (e, i, d)), _value(rng, "up", (e, i, d))
+    gate_up = np.empty((e, d, 2 * i), dtype=np.float32)
+    gate_up[:, :, 0::2], gate_up[:, :, 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+    return {p + "gate_up_proj": gate_up, p + "gate_up_proj_bias": _value(rng, "gate_up_bias", (e, 2 * i)),
+            p + "down_proj": _value(rng, "down", (e, d, i)).transpose(0, 2, 1).copy(),
+            p + "down_proj_bias": _value(rng, "down_bias", (e, d))}
 
 
 def synth_writer() -> Callable[..., Path] | None:
@@ -230,12 +259,15 @@ def make_checkpoint(generator: str, preset: str, out_dir: Path, seed: int,
         writer = synth_writer()
         if writer is None:
             raise RuntimeError(f"{SYNTH_MODULE}.write_hf_checkpoint is not available")
-        if overrides:
-            raise ValueError("synth presets take no config overrides")
-        return Path(writer(preset, out_dir, seed, dtype="f32"))
+        if overrides and overrides != MXFP4_SOURCE:
+            raise ValueError(f"synth presets take no config overrides (but {MXFP4_SOURCE}: gpt-oss's released form)")
+        return Path(writer(preset, out_dir, seed, dtype="f32", mxfp4=bool(overrides)))
     if generator == HELPER_GENERATOR:
         return write_tiny_checkpoint(preset.removeprefix("tiny-"), out_dir, seed, overrides)
     raise ValueError(f"unknown checkpoint generator {generator!r}")
+
+
+MXFP4_SOURCE = {"experts": "mxfp4"}  # a synth checkpoint whose experts are MXFP4 blocks and scales (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -275,6 +307,8 @@ CASES: dict[str, Case] = {
        for a in ARCHS},
     **{n: Case(n, HELPER_GENERATOR, f"tiny-{a}", ov, prompt_tokens=16, greedy_tokens=16)
        for n, (a, ov) in VARIANTS.items()},
+    # gpt-oss as released: MXFP4 experts, which transformers decodes to float32
+    "gpt_oss-mxfp4": Case("gpt_oss-mxfp4", SYNTH_MODULE, "tiny-gpt_oss", MXFP4_SOURCE),
 }
 
 
@@ -313,6 +347,8 @@ def load_checkpoint_mtp(ckpt: Path, with_mtp: bool = True) -> tuple[
                     (mtp if cname.startswith("mtp.") else dense)[cname] = quantize(np.ascontiguousarray(x), "f32")
             elif isinstance(target, Expert):
                 parts.setdefault((target.layer, target.expert), {})[target.part] = a
+            elif isinstance(target, FusedExperts) and target.layout == "gpt_oss":
+                _gpt_oss_parts(target, name, arr, f, parts, args)
             elif isinstance(target, FusedExperts):
                 for e, m in enumerate(a):
                     p = parts.setdefault((target.layer, e), {})
@@ -320,11 +356,37 @@ def load_checkpoint_mtp(ckpt: Path, with_mtp: bool = True) -> tuple[
                         p["gate"], p["up"] = np.split(m, 2, axis=0)
                     else:
                         p["down"] = m
+    act = model_layout(args, "f32", 64).act
     experts = {
-        key: ExpertWeights(*(quantize(np.ascontiguousarray(p[k]), "f32") for k in ("gate", "up", "down")))
+        key: ExpertWeights(*(quantize(np.ascontiguousarray(p[k]), "f32") for k in ("gate", "up", "down")),
+                           *(np.ascontiguousarray(p[k], dtype=np.float32) if k in p else None
+                             for k in ("gate_bias", "up_bias", "down_bias")), act=act)
         for key, p in parts.items()
     }
     return args, dense, mtp, experts
+
+
+def _gpt_oss_parts(target: FusedExperts, name: str, arr: np.ndarray, shard: Path,
+                   parts: dict[tuple[int, int], dict[str, np.ndarray]], args: ModelArgs) -> None:
+    """gpt-oss's fused experts (moetier/convert/adapters/gpt_oss.py) into per-expert float32 parts:
+    gate and up interleaved, dense matrices transposed, MXFP4 blocks decoded with their scales."""
+    if name.endswith("_blocks"):
+        scales = load_file(str(shard))[name.removesuffix("_blocks") + "_scales"]
+        cols = args.hidden_size if target.part == "gate_up" else args.moe_intermediate_size
+        mats = np.stack([mxfp4_tensor(b, s, cols).dequantize() for b, s in zip(arr, scales, strict=True)])
+    else:
+        a = np.asarray(arr, dtype=np.float32)
+        mats = a if target.part.endswith("_bias") else np.ascontiguousarray(a.transpose(0, 2, 1))  # [E, R, C]
+    for e, m in enumerate(mats):
+        p = parts.setdefault((target.layer, e), {})
+        if target.part == "gate_up":
+            p["gate"], p["up"] = m[0::2], m[1::2]
+        elif target.part == "gate_up_bias":
+            p["gate_bias"], p["up_bias"] = m[0::2], m[1::2]
+        elif target.part == "down_bias":
+            p["down_bias"] = m
+        else:
+            p["down"] = m
 
 
 def has_mtp(ckpt: Path) -> bool:
@@ -422,13 +484,16 @@ def hf_reference(ckpt: Path, prompt: np.ndarray, n_new: int) -> dict[str, np.nda
     over the prompt, and a greedy continuation of n_new tokens with each step's top-2 gap; for
     DSA models also the smallest indexer top-k boundary gap (`IndexGaps`) over the whole run."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Mxfp4Config
 
-    wrapper = json.loads((ckpt / "config.json").read_text()).get("model_type") == "kimi_k25"
+    cfg = json.loads((ckpt / "config.json").read_text())
+    wrapper = cfg.get("model_type") == "kimi_k25"
     auto = AutoModelForImageTextToText if wrapper else AutoModelForCausalLM
+    mx = (cfg.get("quantization_config") or {}).get("quant_method")
+    kw = {"quantization_config": Mxfp4Config(dequantize=True)} if mx == "mxfp4" else {}
     model, info = auto.from_pretrained(
         str(ckpt), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
-        output_loading_info=True,
+        output_loading_info=True, **kw,
     )
     _check_loaded(ckpt, model, info)
     model.eval()

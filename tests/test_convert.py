@@ -22,7 +22,7 @@ from moetier.weights.quant import bf16_to_f32
 from moetier.weights.safetensors_io import MappedFile, SafetensorsWriter
 
 ARCHS = ["deepseek_v3", "deepseek_v2", "glm4_moe", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm_moe_dsa",
-         "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5_moe", "kimi_k25"]
+         "deepseek_v32", "minimax_m2", "qwen3_next", "qwen3_5_moe", "kimi_k25", "gpt_oss"]
 SHARD = 20_000  # at most two expert matrices per shard: every expert is split across shards
 
 

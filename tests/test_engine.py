@@ -123,7 +123,8 @@ WIDE_EXPERTS = {"deepseek_v3": "moe_intermediate_size", "deepseek_v2": "moe_inte
                 "qwen2_moe": "moe_intermediate_size", "mixtral": "intermediate_size", "olmoe": "intermediate_size",
                 "glm_moe_dsa": "moe_intermediate_size", "deepseek_v32": "moe_intermediate_size",
                 "minimax_m2": "intermediate_size", "qwen3_next": "moe_intermediate_size",
-                "qwen3_5_moe": "moe_intermediate_size", "kimi_k25": "moe_intermediate_size"}
+                "qwen3_5_moe": "moe_intermediate_size", "kimi_k25": "moe_intermediate_size",
+                "gpt_oss": "intermediate_size"}
 
 
 @pytest.mark.parametrize("arch", hf.ARCHS)

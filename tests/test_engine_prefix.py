@@ -18,11 +18,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 # tiny-glm_moe_dsa: the DSA indexer keys are part of the cached, persisted KV; tiny-qwen3_next:
-# the Gated DeltaNet state, resumable only where it was saved
+# the Gated DeltaNet state, resumable only where it was saved; tiny-gpt_oss: its sliding-window
+# layers keep (and persist) their last positions only
 HYBRID = "tiny-qwen3_next"
 
 
-@pytest.fixture(scope="module", params=["tiny-deepseek_v3", "tiny-qwen3_moe", "tiny-glm_moe_dsa", HYBRID])
+@pytest.fixture(scope="module", params=["tiny-deepseek_v3", "tiny-qwen3_moe", "tiny-glm_moe_dsa", HYBRID, "tiny-gpt_oss"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_container(request.param, tmp_path_factory.mktemp("engine-prefix") / request.param, 0)
 

@@ -25,7 +25,9 @@ def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("convert", help="convert a Hugging Face checkpoint to a container")
     p.add_argument("src", help="checkpoint directory (config.json + safetensors) or a .safetensors file")
     p.add_argument("out", help="output container directory (an interrupted conversion resumes)")
-    p.add_argument("--experts", choices=EXPERTS_ALLOWED, default="int4")
+    p.add_argument("--experts", choices=EXPERTS_ALLOWED, default=None,
+                   help="routed experts' dtype (default int4; an MXFP4 source, gpt-oss as released, keeps its "
+                        "experts as mxfp4, lossless)")
     p.add_argument("--dense", choices=DENSE_ALLOWED, default="int8")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--mtp", choices=("int8", "bf16", "f32", "int4", "none"), default="int8",

@@ -19,6 +19,7 @@ Extra disk beyond the output: the spill (quantized parts) plus one dense file in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -33,16 +34,16 @@ from tqdm import tqdm
 
 from moetier.convert import tiktoken
 from moetier.convert.adapters import Dense, Expert, FusedExperts, UnknownTensor
+from moetier.convert.adapters.gpt_oss import MXFP4_SCALES
 from moetier.convert.qerror import Stats, experts_sample, measure, merge, summary
 from moetier.convert.source import F32, SCALE_SUFFIX, HFSource, load_f32, widen
 from moetier.errors import ConversionError, FormatError
 from moetier.weights.format import MANIFEST, atomic_write, canonical_json, fsync_dir, xxh3_file, xxh3_hex
-from moetier.weights.layout import pack_part_into
-from moetier.weights.quant import ExpertWeights, QDType, QTensor, quantize
+from moetier.weights.layout import bias_tensor, model_layout, pack_part_into
+from moetier.weights.quant import ExpertWeights, QDType, QTensor, mxfp4_tensor, quantize
 from moetier.weights.safetensors_io import MappedFile, TensorInfo
 from moetier.weights.schema import (
     DENSE_ALLOWED,
-    EXPERT_PARTS,
     EXPERTS_ALLOWED,
     MTP_ALLOWED,
     dense_shapes,
@@ -63,13 +64,13 @@ MTP_INT4_REFUSED = ("--mtp int4 is refused: an int4 MTP head drafts with 0-4% ac
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    experts: QDType = "int4"
+    experts: QDType | None = None  # None: int4, or mxfp4 for a source whose experts are MXFP4 (kept as they are)
     dense: QDType = "int8"
     group_size: int = 64
     mtp: str = "int8"  # the MTP head's dtype, or "none" to leave it out
 
     def check(self) -> None:
-        if self.experts not in EXPERTS_ALLOWED:
+        if self.experts is not None and self.experts not in EXPERTS_ALLOWED:
             raise ConversionError(f"--experts {self.experts}: choose one of {', '.join(EXPERTS_ALLOWED)}")
         if self.dense not in DENSE_ALLOWED:
             raise ConversionError(f"--dense {self.dense}: choose one of {', '.join(DENSE_ALLOWED)}")
@@ -131,6 +132,9 @@ class Converter:
         opts.check()
         self.source = HFSource.open(src)
         self.args = self.source.args
+        if opts.experts is None:  # an MXFP4 source keeps its experts as they are; any other: int4
+            mx = any(n.endswith("_blocks") for sh in self.source.shards for n in sh.header.tensors)
+            opts = dataclasses.replace(opts, experts="mxfp4" if mx else "int4")
         self.out = out
         self.opts = opts
         self.on_progress = on_progress
@@ -156,6 +160,17 @@ class Converter:
             log.info("config.json announces %d MTP layers; the checkpoint holds %d: the container gets %d",
                      announced, n, n)
         return n
+
+    @property
+    def experts(self) -> QDType:
+        """The routed experts' dtype (the option, resolved for this source in __init__)."""
+        assert self.opts.experts is not None
+        return self.opts.experts
+
+    def _part_names(self, layer: int) -> tuple[str, ...]:
+        g = self.opts.group_size
+        dtype = self.opts.mtp_dtype if self._mtp_layer(layer) else self.experts
+        return model_layout(self.args, dtype, g).part_names
 
     def _mtp_layer(self, layer: int) -> bool:
         return self.args.num_layers <= layer < self.args.num_layers + self.n_mtp
@@ -197,7 +212,7 @@ class Converter:
             log.info("%s already holds this conversion", self.out)
             self._cleanup()
             return self.out
-        w = ContainerWriter(self.out, self.args, self.opts.experts, self.opts.dense, self.opts.group_size,
+        w = ContainerWriter(self.out, self.args, self.experts, self.opts.dense, self.opts.group_size,
                             mtp_layers=self.n_mtp, mtp_dtype=self.opts.mtp_dtype,
                             mtp_hidden_first=self.source.adapter.mtp_hidden_first(self.source.config))
         seen_dense: set[str] = set()
@@ -219,7 +234,7 @@ class Converter:
                 seen_dense.update(ent["mtp_dense"])
             for li, e, ck in ent["records"]:
                 w.note_record(li, e, ck)
-                seen_parts.update((li, e, p) for p in EXPERT_PARTS)
+                seen_parts.update((li, e, p) for p in w.layout_for(li).part_names)
             for key in ent["spilled"]:
                 spilled.add((key[0], key[1], key[2]))
                 seen_parts.add((key[0], key[1], key[2]))
@@ -317,9 +332,10 @@ class Converter:
         try:
             for info in sorted(mf.header.tensors.values(), key=lambda t: t.begin):
                 name = info.name
-                if name.endswith(SCALE_SUFFIX):
+                if name.endswith(SCALE_SUFFIX) or (name.endswith(MXFP4_SCALES) and isinstance(
+                        ad.target(name.removesuffix(MXFP4_SCALES) + "_blocks", args, self.n_mtp), FusedExperts)):
                     self._advance(info.nbytes, bar)
-                    continue  # FP8 block scales are read with their weight
+                    continue  # FP8 block scales and MXFP4 scales are read with their weight
                 try:
                     target = ad.target(name, args, self.n_mtp)
                 except UnknownTensor as exc:
@@ -359,15 +375,25 @@ class Converter:
                         if spec.dtype != "f32":
                             measure(stats, kind, x, q, opts.group_size)
                 else:
-                    for li, e, part, x in self._expert_parts(target, info, mf, shard.name, where):
+                    for li, e, part, xe in self._expert_parts(target, info, mf, shard.name, where):
                         key = (li, e, part)
                         if key in seen_parts:
                             raise ConversionError(f"{where}: layer {li} expert {e} {part} appears twice")
                         seen_parts.add(key)
                         mtp = self._mtp_layer(li)
-                        q = quantize(x, opts.mtp_dtype if mtp else opts.experts, opts.group_size)
-                        if e in self.sample:
-                            measure(stats, "mtp" if mtp else "experts", x, q, opts.group_size)
+                        dtype = opts.mtp_dtype if mtp else self.experts
+                        if part.endswith("_bias"):  # float32, as the record layout keeps it
+                            have = parts.setdefault((li, e), {})
+                            have[part] = bias_tensor(np.asarray(xe, dtype=np.float32))
+                            self._maybe_record(w, li, e, have, spilled, records, consumed)
+                            continue
+                        if isinstance(xe, QTensor) and xe.dtype == dtype:
+                            q = xe  # an MXFP4 source stored as mxfp4: its bytes, nothing decoded or rounded
+                        else:
+                            q = quantize(xe.dequantize() if isinstance(xe, QTensor) else xe, dtype, opts.group_size)
+                        if e in self.sample:  # the error against the source's values (0 for q = the source)
+                            src = xe.dequantize() if isinstance(xe, QTensor) else xe
+                            measure(stats, "mtp" if mtp else "experts", src, q, opts.group_size)
                         have = parts.setdefault((li, e), {})
                         have[part] = q
                         self._maybe_record(w, li, e, have, spilled, records, consumed)
@@ -403,9 +429,9 @@ class Converter:
         return ent
 
     def _expert_parts(self, target: Expert | FusedExperts, info: TensorInfo, mf: MappedFile, shard: str,
-                      where: str) -> Iterator[tuple[int, int, str, F32]]:
-        """(layer, expert, part, float32 matrix), one expert at a time (a fused tensor is
-        widened slice by slice, never whole)."""
+                      where: str) -> Iterator[tuple[int, int, str, F32 | QTensor]]:
+        """(layer, expert, part, float32 matrix or an MXFP4 source's own QTensor), one expert at a
+        time (a fused tensor is widened slice by slice, never whole)."""
         args = self.args
         if not self._mtp_layer(target.layer) and (target.layer >= args.num_layers
                                                   or not args.moe_layers[target.layer]):
@@ -416,6 +442,9 @@ class Converter:
                 raise ConversionError(f"{where}: expert {target.expert} out of range ({e_count} experts)")
             _check_shape(where, info.shape, self.expert_want[target.part])
             yield target.layer, target.expert, target.part, load_f32(mf, info, shard)
+            return
+        if target.layout == "gpt_oss":
+            yield from _gpt_oss_parts(target, info, mf, shard, where, (e_count, inter, d))
             return
         raw = mf.raw(info.name)
         if target.part == "gate_up":
@@ -430,15 +459,19 @@ class Converter:
 
     def _maybe_record(self, w: ContainerWriter, li: int, e: int, have: dict[str, QTensor],
                       spilled: set[PartKey], records: list[list[Any]], consumed: list[list[Any]]) -> None:
-        """Write the record once all three parts are known (this shard's or spilled earlier)."""
-        from_spill = [p for p in EXPERT_PARTS if p not in have and (li, e, p) in spilled]
-        if len(have) + len(from_spill) < len(EXPERT_PARTS):
+        """Write the record once all its parts are known (this shard's or spilled earlier)."""
+        layout = w.layout_for(li)
+        names = layout.part_names
+        from_spill = [p for p in names if p not in have and (li, e, p) in spilled]
+        if len(have) + len(from_spill) < len(names):
             return
         full = dict(have)
         for part in from_spill:
             full[part] = self._unspill(li, e, part, w)
             consumed.append([li, e, part])
-        ck = w.write_record(li, e, ExpertWeights(gate=full["gate"], up=full["up"], down=full["down"]))
+        biases = {p: full[p].data.reshape(-1) for p in names if p.endswith("_bias")}
+        ck = w.write_record(li, e, ExpertWeights(gate=full["gate"], up=full["up"], down=full["down"],
+                                                 act=layout.act, **biases))
         records.append([li, e, ck])
         have.clear()  # done: nothing of this expert is left to spill
 
@@ -466,10 +499,61 @@ class Converter:
         want = [n for n in [*self.dense_want, *self.mtp_want] if n not in seen_dense]
         mtp_layers = list(range(args.num_layers, args.num_layers + self.n_mtp))
         want += [f"layer {li} expert {e} {p}" for li in args.moe_layer_ids + mtp_layers
-                 for e in range(args.n_routed_experts) for p in EXPERT_PARTS if (li, e, p) not in seen_parts]
+                 for e in range(args.n_routed_experts) for p in self._part_names(li)
+                 if (li, e, p) not in seen_parts]
         if want:
             more = f" (+{len(want) - 5} more)" if len(want) > 5 else ""
             raise ConversionError(f"checkpoint is missing tensors: {', '.join(want[:5])}{more}")
+
+
+def _gpt_oss_parts(target: FusedExperts, info: TensorInfo, mf: MappedFile, shard: str, where: str,
+                   shape: tuple[int, int, int]) -> Iterator[tuple[int, int, str, F32 | QTensor]]:
+    """gpt-oss's fused experts (adapters/gpt_oss.py): gate and up interleaved (rows 0::2 and
+    1::2 of the outputs), dense matrices transposed, or MXFP4 blocks with their scales (the
+    `_scales` tensor from the same shard) kept as mxfp4 QTensors; the biases as vectors."""
+    e_count, inter, d = shape
+    li = target.layer
+    raw = mf.raw(info.name)
+    if target.part in ("gate_up_bias", "down_bias"):
+        n = 2 * inter if target.part == "gate_up_bias" else d
+        _check_shape(where, info.shape, (e_count, n))
+        for e in range(e_count):
+            b = widen(raw[e], info.dtype, info.name, shard)
+            if target.part == "down_bias":
+                yield li, e, "down_bias", b
+            else:
+                yield li, e, "gate_bias", np.ascontiguousarray(b[0::2])
+                yield li, e, "up_bias", np.ascontiguousarray(b[1::2])
+        return
+    rows, cols = (2 * inter, d) if target.part == "gate_up" else (d, inter)
+    if info.name.endswith("_blocks"):
+        sname = info.name.removesuffix("_blocks") + MXFP4_SCALES
+        if sname not in mf.header.tensors:
+            raise ConversionError(f"{where}: MXFP4 blocks without their {sname!r} in the same shard")
+        g = -(-cols // 32)
+        _check_shape(where, info.shape, (e_count, rows, g, 16))
+        sinfo = mf.header.tensors[sname]
+        _check_shape(f"tensor {sname!r} in {shard}", sinfo.shape, (e_count, rows, g))
+        if info.dtype != "U8" or sinfo.dtype != "U8":
+            raise ConversionError(f"{where}: MXFP4 blocks and scales must be U8, got {info.dtype} and {sinfo.dtype}")
+        scales = mf.raw(sname)
+        for e in range(e_count):
+            if (np.asarray(scales[e]) == 255).any():
+                raise ConversionError(f"{where}: expert {e} has an e8m0 scale of 255 (NaN in MXFP4)")
+            if target.part == "down":
+                yield li, e, "down", mxfp4_tensor(np.asarray(raw[e]), np.asarray(scales[e]), cols)
+            else:
+                yield li, e, "gate", mxfp4_tensor(np.asarray(raw[e, 0::2]), np.asarray(scales[e, 0::2]), cols)
+                yield li, e, "up", mxfp4_tensor(np.asarray(raw[e, 1::2]), np.asarray(scales[e, 1::2]), cols)
+        return
+    _check_shape(where, info.shape, (e_count, cols, rows))  # transposed: inputs first
+    for e in range(e_count):
+        m = widen(raw[e], info.dtype, info.name, shard)  # [C, R]
+        if target.part == "down":
+            yield li, e, "down", np.ascontiguousarray(m.T)
+        else:
+            yield li, e, "gate", np.ascontiguousarray(m[:, 0::2].T)
+            yield li, e, "up", np.ascontiguousarray(m[:, 1::2].T)
 
 
 def _spill_name(li: int, e: int, part: str) -> str:

@@ -14,6 +14,7 @@ import numpy as np
 
 from moetier.convert import synth
 from moetier.convert.qerror import Stats, experts_sample, measure, summary
+from moetier.model.kv_cache import ROLLBACK
 from moetier.weights.container import Container
 from moetier.weights.schema import EXPERT_PARTS, expert_shapes, tensor_class
 
@@ -127,7 +128,28 @@ def inspect_container(path: str, verify: bool = False) -> dict[str, Any]:
             "quant_error_source": err_source,
             "mtp": mtp_report(c, regenerate=c.source.get("kind") == "synth"
                               and built_by == synth.GENERATOR_VERSION),
+            "mechanisms": mechanisms(c),
         }
+
+
+def mechanisms(c: Container) -> list[str]:
+    """What the model does beyond plain attention and SwiGLU experts (gpt-oss's sinks, sliding
+    windows, router, biased clamped experts), one phrase each."""
+    a, out = c.args, []
+    if a.attn_sinks:
+        out.append("attention sinks (a learned logit per head)")
+    if a.sliding_layers:
+        n = sum(a.sliding_layers)
+        out.append(f"sliding window {a.sliding_window} in {n} of {a.num_layers} layers "
+                   f"(their KV cache keeps {a.sliding_window} + {ROLLBACK} positions)")
+    if a.scoring_func == "topk_softmax":
+        out.append("router: top-k of the biased logits, then their softmax")
+    if a.expert_bias:
+        act = c.layout.act
+        out.append(f"experts with biases, {act.kind} (alpha {act.alpha}, limit {act.limit})")
+    if c.quantization["experts"] == "mxfp4":
+        out.append("experts mxfp4: e2m1 with one e8m0 scale per 32 (4.25 bits per weight)")
+    return out
 
 
 def _mb(n: int) -> str:
@@ -145,6 +167,7 @@ def format_report(r: dict[str, Any]) -> str:
            f"{r['state_bytes'] / 1024:,.1f} KiB per sequence, KV {r['kv_bytes_per_token']:,} bytes per token (full layers)"]
           if r.get("linear_layers") else []),
         f"quantization   experts {q['experts']}, dense {q['dense']}, group size {q['group_size']}",
+        *(f"mechanism      {m}" for m in r.get("mechanisms", [])),
         f"expert record  {r['record_bytes']:,} bytes ({r['record_used_bytes']:,} used), "
         f"{_mb(r['expert_bytes'])} of experts",
         "bytes by class " + ", ".join(f"{k} {_mb(v)}" for k, v in sorted(r["bytes_by_class"].items())),

@@ -39,10 +39,10 @@ from moetier.convert.tokenizer import BOS_ID, STOP_IDS, tokenizer_files
 from moetier.errors import InvalidArgument
 from moetier.model.config import ModelArgs
 from moetier.weights.format import EXPERTS_DIR, MTP_EXPERTS_DIR, expert_file_name, xxh3_hex
-from moetier.weights.layout import RecordLayout, pack_part_into
+from moetier.weights.layout import bias_tensor, model_layout, pack_part_into
 from moetier.weights.quant import QDType, bf16_bits, quantize
 from moetier.weights.safetensors_io import SafetensorsWriter
-from moetier.weights.schema import EXPERT_PARTS, dense_shapes, expert_shapes, mtp_shapes, tensor_class
+from moetier.weights.schema import dense_shapes, expert_shapes, mtp_shapes, tensor_class
 from moetier.weights.writer import ContainerWriter
 
 F32 = npt.NDArray[np.float32]
@@ -76,6 +76,7 @@ _ARCHITECTURES = {
     "deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "kimi_k25": "Kimi_K25ForConditionalGeneration",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -189,6 +190,15 @@ def _tiny() -> dict[str, Preset]:
                                moe_i=32, inter=128, heads=4, q_lora=32, kv_lora=32, nope=16, rope=8, v=16,
                                vocab=TINY_VOCAB, n_group=4, topk_group=2, routed_scaling_factor=2.5,
                                num_nextn_predict_layers=0)),
+        # sliding and full layers alternating, a window well under the fixtures' prompts and
+        # continuations (24 + 32 positions), so the window drops positions and the KV cache slides;
+        # YaRN as gpt-oss has it (truncate false, mscale from the factor)
+        "gpt_oss": _config("gpt_oss", **gqa, num_hidden_layers=4, num_local_experts=8, intermediate_size=32,
+                           rms_norm_eps=1e-5, sliding_window=8, attention_bias=True, swiglu_limit=7.0,
+                           layer_types=["sliding_attention", "full_attention"] * 2, router_aux_loss_coef=0.0,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                            "original_max_position_embeddings": 256}),
     }
     return {f"tiny-{k}": Preset(f"tiny-{k}", f"test-sized {k}", v, TINY_VOCAB, tags=("tiny",)) for k, v in cfgs.items()}
 
@@ -260,7 +270,7 @@ def preset_args(name: str) -> ModelArgs:
 
 
 def expert_record_bytes(args: ModelArgs, experts: QDType = "int4", group_size: int = 64) -> int:
-    return RecordLayout.build(args.moe_intermediate_size, args.hidden_size, experts, group_size).record_bytes
+    return model_layout(args, experts, group_size).record_bytes
 
 
 def total_expert_bytes(args: ModelArgs, experts: QDType = "int4", group_size: int = 64) -> int:
@@ -287,6 +297,10 @@ def _std(name: str, shape: tuple[int, ...], d: int) -> float:
         return 1.0
     if leaf == "router_bias":
         return 0.01
+    if leaf == "sinks":  # gpt-oss: learned logits of the size of the attention scores
+        return 1.0
+    if leaf in ("router_logit_bias", "gate_bias", "up_bias", "down_bias", "bo"):
+        return 0.1
     if leaf in ("bq", "bk", "bv", "index_k_bias"):
         return 0.02
     std = 1.0 / np.sqrt(shape[-1])
@@ -332,10 +346,75 @@ def dense_tensor(name: str, shape: tuple[int, ...], seed: int, hidden: int) -> F
 
 
 def expert_tensor(layer: int, expert: int, part: str, shape: tuple[int, ...], seed: int) -> F32:
-    """The float32 source of one routed expert matrix of a synth model."""
+    """The float32 source of one routed expert matrix (or bias: gpt-oss) of a synth model."""
     x = _rng(seed, f"layers.{layer}.experts.{expert}.{part}").standard_normal(shape, dtype=np.float32)
     x *= np.float32(_std(part, shape, shape[-1]))
     return x
+
+
+def expert_part_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every part of a routed expert: gate, up, down, and gpt-oss's biases."""
+    ex = dict(expert_shapes(args))
+    if args.expert_bias:
+        i, d = args.moe_intermediate_size, args.hidden_size
+        ex.update(gate_bias=(i,), up_bias=(i,), down_bias=(d,))
+    return ex
+
+
+def _gpt_oss_expert(layer: int, e: int, ex: dict[str, tuple[int, ...]], seed: int, mxfp4: bool) -> dict[str, Any]:
+    """One gpt-oss expert's parts as the container stores them: mxfp4 QTensors (from the float
+    source, quantized once: an MXFP4 synth source is those bytes) or float32."""
+    out: dict[str, Any] = {}
+    for part, shape in ex.items():
+        x = expert_tensor(layer, e, part, shape, seed)
+        out[part] = quantize(x, "mxfp4") if mxfp4 and not part.endswith("_bias") else x
+    return out
+
+
+def _gpt_oss_fused(layer: int, e_count: int, ex: dict[str, tuple[int, ...]], what: str, seed: int) -> np.ndarray:
+    """gpt-oss's fused expert tensors (adapters/gpt_oss.py): gate and up interleaved, dense
+    matrices transposed; `*_blocks`/`*_scales`: the MXFP4 form."""
+    mx = what.endswith(("_blocks", "_scales"))
+    parts = [_gpt_oss_expert(layer, e, ex, seed, mx) for e in range(e_count)]
+    out: list[np.ndarray] = []
+    for p in parts:
+        if what == "gate_up_proj_bias":
+            b = np.empty(2 * len(p["gate_bias"]), dtype=np.float32)
+            b[0::2], b[1::2] = p["gate_bias"], p["up_bias"]
+            out.append(b)
+        elif what == "down_proj_bias":
+            out.append(p["down_bias"])
+        elif what == "gate_up_proj":  # [D, 2I]
+            m = np.empty((p["gate"].shape[1], 2 * p["gate"].shape[0]), dtype=np.float32)
+            m[:, 0::2], m[:, 1::2] = p["gate"].T, p["up"].T
+            out.append(m)
+        elif what == "down_proj":  # [I, D]
+            out.append(np.ascontiguousarray(p["down"].T))
+        else:  # MXFP4: rows are the outputs (2I interleaved, or D), [rows, C/32, 16] and [rows, C/32]
+            g, u, d = p["gate"], p["up"], p["down"]
+            if what.startswith("gate_up"):
+                rows = np.empty((2 * g.shape[0], *g.data.shape[1:]), dtype=np.uint8)
+                sc = np.empty((2 * g.shape[0], g.scales.shape[1]), dtype=np.uint8)
+                rows[0::2], rows[1::2], sc[0::2], sc[1::2] = g.data, u.data, g.scales, u.scales
+            else:
+                rows, sc = d.data, d.scales
+            out.append(rows.reshape(rows.shape[0], -1, 16) if what.endswith("_blocks") else sc)
+    return np.stack(out)
+
+
+def gpt_oss_expert_tensors(args: ModelArgs, layer: int, mxfp4: bool) -> list[tuple[str, tuple[int, ...], str]]:
+    """(source name, shape, what) of one gpt-oss layer's fused expert tensors."""
+    e, i, d = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
+    p = f"model.layers.{layer}.mlp.experts."
+    if mxfp4:
+        mats = [(p + "gate_up_proj_blocks", (e, 2 * i, -(-d // 32), 16), "gate_up_proj_blocks"),
+                (p + "gate_up_proj_scales", (e, 2 * i, -(-d // 32)), "gate_up_proj_scales"),
+                (p + "down_proj_blocks", (e, d, -(-i // 32), 16), "down_proj_blocks"),
+                (p + "down_proj_scales", (e, d, -(-i // 32)), "down_proj_scales")]
+    else:
+        mats = [(p + "gate_up_proj", (e, d, 2 * i), "gate_up_proj"), (p + "down_proj", (e, i, d), "down_proj")]
+    return [*mats, (p + "gate_up_proj_bias", (e, 2 * i), "gate_up_proj_bias"),
+            (p + "down_proj_bias", (e, d), "down_proj_bias")]
 
 
 # ---- Hugging Face format ----------------------------------------------------------------------
@@ -371,7 +450,7 @@ def _expert_gen(layer: int, e: int, part: str, shape: tuple[int, ...], seed: int
     return expert_tensor(layer, e, part, shape, seed)
 
 
-def _hf_tensors(p: Preset, fused: bool) -> list[tuple[str, tuple[int, ...], Gen]]:
+def _hf_tensors(p: Preset, fused: bool, mxfp4: bool = False) -> list[tuple[str, tuple[int, ...], Gen]]:
     """(source name, shape, generator(seed)) in checkpoint order."""
     args = p.args
     ad = adapter_for(p.config["model_type"])
@@ -390,6 +469,11 @@ def _hf_tensors(p: Preset, fused: bool) -> list[tuple[str, tuple[int, ...], Gen]
     for i in range(args.num_layers):
         dense(*(n for n in shapes if n.startswith(f"layers.{i}.")))
         if not args.moe_layers[i]:
+            continue
+        if args.expert_bias:  # gpt-oss: always fused
+            exb = expert_part_shapes(args)
+            for name, shape, what in gpt_oss_expert_tensors(args, i, mxfp4):
+                out.append((name, shape, partial(_gpt_oss_fused, i, e_count, exb, what)))
             continue
         if fused:
             out.append((ad.fused_source_name(i, "gate_up"), (e_count, 2 * inter, d),
@@ -413,20 +497,26 @@ def _hf_tensors(p: Preset, fused: bool) -> list[tuple[str, tuple[int, ...], Gen]
     return out
 
 
-def _hf_cast(x: F32, dtype: str) -> np.ndarray:
+def _hf_cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    if x.dtype == np.uint8:  # MXFP4 blocks and scales, as they are
+        return x
     if dtype == "bf16":
         return bf16_bits(x)
     return x.astype(np.float16) if dtype == "f16" else x
 
 
 def write_hf_checkpoint(preset: str, out_dir: Path, seed: int, *, dtype: str = "bf16",
-                        shard_bytes: int = 2 << 30, fused: bool = False) -> Path:
-    """A Hugging Face checkpoint directory (config, tokenizer, safetensors shards)."""
+                        shard_bytes: int = 2 << 30, fused: bool = False, mxfp4: bool = False) -> Path:
+    """A Hugging Face checkpoint directory (config, tokenizer, safetensors shards).
+    mxfp4: gpt-oss's experts as released, MXFP4 blocks and scales (with the config's
+    quantization_config), the other tensors in `dtype`."""
     p = PRESETS[_known(preset)]
     _refuse_shape_only(p)
     if dtype not in _HF_TAG:
         raise InvalidArgument(f"HF dtype {dtype!r} not one of {', '.join(_HF_TAG)}")
-    tensors = _hf_tensors(p, fused)
+    if mxfp4 and not p.args.expert_bias:
+        raise InvalidArgument(f"preset {preset!r}: MXFP4 experts are gpt-oss's form (use tiny-gpt_oss)")
+    tensors = _hf_tensors(p, fused, mxfp4)
     item = 4 if dtype == "f32" else 2
     total = sum(int(np.prod(s)) * item for _, s, _ in tensors)
     if total > HF_MAX_BYTES:
@@ -446,7 +536,8 @@ def write_hf_checkpoint(preset: str, out_dir: Path, seed: int, *, dtype: str = "
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
     weight_map: dict[str, str] = {}
     for fname, shard in zip(names, shards, strict=True):
-        w = SafetensorsWriter(out_dir / fname, [(n, _HF_TAG[dtype], s) for n, s, _ in shard], {"format": "pt"})
+        w = SafetensorsWriter(out_dir / fname, [(n, "U8" if n.endswith(("_blocks", "_scales")) else _HF_TAG[dtype], s)
+                                                for n, s, _ in shard], {"format": "pt"})
         for tname, _, gen in shard:
             w.write(tname, _hf_cast(gen(seed), dtype))
             weight_map[tname] = fname
@@ -455,6 +546,9 @@ def write_hf_checkpoint(preset: str, out_dir: Path, seed: int, *, dtype: str = "
         idx = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(idx, indent=2) + "\n")
     cfg = dict(p.config, dtype={"bf16": "bfloat16", "f32": "float32", "f16": "float16"}[dtype])
+    if mxfp4:  # as gpt-oss's released config says it
+        cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     for name, data in tokenizer_files(p.tokenizer_vocab, p.args.max_position_embeddings).items():
         (out_dir / name).write_bytes(data)
@@ -484,8 +578,8 @@ def _synth_layer(job: tuple[Path, str, int, int, QDType, int]) -> list[str]:
     """Generate, quantize and write every expert record of one layer; returns their checksums."""
     out, name, seed, layer, experts, g = job
     args = PRESETS[name].args
-    layout = RecordLayout.build(args.moe_intermediate_size, args.hidden_size, experts, g)
-    shapes = expert_shapes(args)
+    layout = model_layout(args, experts, g)
+    shapes = expert_part_shapes(args)
     sums = []
     where = MTP_EXPERTS_DIR if layer >= args.num_layers else EXPERTS_DIR
     fd = os.open(out / where / expert_file_name(layer), os.O_RDWR)
@@ -493,8 +587,9 @@ def _synth_layer(job: tuple[Path, str, int, int, QDType, int]) -> list[str]:
         buf = bytearray(layout.record_bytes)
         for e in range(args.n_routed_experts):
             buf[:] = bytes(layout.record_bytes)
-            for part in EXPERT_PARTS:
-                q = quantize(expert_tensor(layer, e, part, shapes[part], seed), experts, g)
+            for part in layout.part_names:
+                x = expert_tensor(layer, e, part, shapes[part], seed)
+                q = bias_tensor(x) if part.endswith("_bias") else quantize(x, experts, g)
                 pack_part_into(layout.part(part), q, buf, 0)
             os.pwrite(fd, buf, e * layout.record_bytes)
             sums.append(xxh3_hex(buf))

@@ -1,4 +1,7 @@
-"""Attention layers: GQA (Mixtral, Qwen-MoE, OLMoE, GLM-4.5) and MLA (DeepSeek-V2/V3).
+"""Attention layers: GQA (Mixtral, Qwen-MoE, OLMoE, GLM-4.5, gpt-oss) and MLA (DeepSeek-V2/V3).
+
+gpt-oss's GQA adds a learned sink logit per head (in the softmax's denominator, attending to
+nothing), an output-projection bias, and sliding-window layers that see their last W positions.
 
 Legend: T = rows of the step (all sequences), n = rows of one sequence, S = its cached
 positions, D = hidden, H = query heads, Hkv = key/value heads, hd = head dim,
@@ -65,6 +68,9 @@ class GqaAttention:
         self.args, self.layer, self.rope, self.scale = args, layer, rope, scale
         self.wq, self.wk, self.wv, self.wo = (dense[f"{p}.w{x}"] for x in "qkvo")
         self.bq, self.bk, self.bv = (_opt_vector(dense, f"{p}.b{x}") if args.qkv_bias else None for x in "qkv")
+        self.bo = vector(dense[f"{p}.bo"]) if args.o_bias else None  # [D] (gpt-oss)
+        self.sinks = vector(dense[f"{p}.sinks"]) if args.attn_sinks else None  # [H] (gpt-oss)
+        self.window = args.window(layer)  # 0, or the positions a sliding-window layer sees
         norm = args.qk_norm != "none"
         self.q_norm = vector(dense[f"{p}.q_norm"]) if norm else None
         self.k_norm = vector(dense[f"{p}.k_norm"]) if norm else None
@@ -96,14 +102,17 @@ class GqaAttention:
         for seg in segments:
             seg.cache.put(self.layer, "k", seg.start, k[seg.rows])
             seg.cache.put(self.layer, "v", seg.start, v[seg.rows])
+            first = seg.cache.start(self.layer)  # > 0 only in a sliding-window layer past its window
             out[seg.rows] = ops.attention(
                 np.ascontiguousarray(q[seg.rows]),
-                seg.cache.get(self.layer, "k", seg.end),  # [S, Hkv, hd]
+                seg.cache.get(self.layer, "k", seg.end),  # [S, Hkv, hd]: positions first .. end - 1
                 seg.cache.get(self.layer, "v", seg.end),  # [S, Hkv, hd]
-                seg.positions,
+                seg.positions - first,
                 self.scale,
+                self.sinks,
+                self.window,
             )
-        return ops.linear(out.reshape(t, a.num_heads * hd), self.wo)  # [T, D]
+        return ops.linear(out.reshape(t, a.num_heads * hd), self.wo, self.bo)  # [T, D]
 
 
 class MlaAttention:

@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 AttentionKind = Literal["gqa", "mla"]
 QkNorm = Literal["none", "head", "full"]  # head: RMSNorm over hd per head; full: over H*hd (OLMoE)
-ScoringFunc = Literal["softmax", "sigmoid"]
+ScoringFunc = Literal["softmax", "sigmoid", "topk_softmax"]  # topk_softmax: top-k of the logits, then softmax
+ExpertActKind = Literal["silu", "clamped_swiglu"]
 GroupScore = Literal["none", "max", "top2_sum"]  # DeepSeek-V2 group_limited_greedy / DeepSeek-V3
 
 
@@ -28,6 +29,11 @@ _DSA_FIELDS = ("index_topk", "index_n_heads", "index_head_dim", "index_rope_inte
 _LINEAR_FIELDS = ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                   "linear_value_head_dim", "linear_conv_kernel", "attn_output_gate")
 LayerType = Literal["full", "linear"]
+# gpt-oss's fields, with the defaults every other model has (left out of the manifest at those defaults)
+_GPT_OSS_DEFAULTS: dict[str, Any] = {
+    "attn_sinks": False, "o_bias": False, "sliding_window": 0, "sliding_layers": (), "router_logit_bias": False,
+    "expert_bias": False, "expert_act": "silu", "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+}
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,20 @@ class ModelArgs:
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
 
+    # gpt-oss: attention with a learned sink logit per head and an output-projection bias;
+    # sliding_layers[i]: layer i attends to its last sliding_window positions only (and its KV
+    # cache keeps only those); a router with a logit bias choosing top-k before its softmax;
+    # experts with biases and the clamped SwiGLU (moetier.weights.quant.ExpertAct).
+    attn_sinks: bool = False
+    o_bias: bool = False
+    sliding_window: int = 0
+    sliding_layers: tuple[bool, ...] = ()
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    expert_act: ExpertActKind = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -142,6 +162,9 @@ class ModelArgs:
                                      f"heads, got (Hk, Hv, dk, dv, Kc) = {dims}")
                 if self.attention != "gqa":
                     raise ValueError("linear attention layers are interleaved with GQA attention only")
+        if self.sliding_layers and (len(self.sliding_layers) != self.num_layers or self.sliding_window <= 0):
+            raise ValueError(f"sliding_layers needs {self.num_layers} entries and a sliding_window > 0, got "
+                             f"{len(self.sliding_layers)} and {self.sliding_window}")
         if any(self.moe_layers):
             if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
                 raise ValueError(f"top-k {self.num_experts_per_tok} invalid for {self.n_routed_experts} experts")
@@ -190,6 +213,10 @@ class ModelArgs:
                + max(self.linear_conv_kernel - 1, 0) * self.linear_conv_dim)
         return sum(self.linear_layers) * per
 
+    def window(self, layer: int) -> int:
+        """Positions layer `layer` attends to (0: all of them)."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else 0
+
     @property
     def expert_params(self) -> int:
         """Parameters of one routed expert (gate, up: [I, D]; down: [D, I])."""
@@ -208,6 +235,10 @@ class ModelArgs:
         if not self.layer_types and not self.attn_output_gate:  # likewise models without linear attention
             for k in _LINEAR_FIELDS:
                 del d[k]
+        d["sliding_layers"] = list(self.sliding_layers)
+        for k, v in _GPT_OSS_DEFAULTS.items():  # so do models without gpt-oss's mechanisms
+            if getattr(self, k) == v:
+                del d[k]
         return d
 
     @classmethod
@@ -221,4 +252,5 @@ class ModelArgs:
         d["eos_token_ids"] = tuple(int(x) for x in d.get("eos_token_ids", ()))
         d["indexer_layers"] = tuple(bool(x) for x in d.get("indexer_layers", ()))
         d["layer_types"] = tuple(str(x) for x in d.get("layer_types", ()))
+        d["sliding_layers"] = tuple(bool(x) for x in d.get("sliding_layers", ()))
         return cls(**d)

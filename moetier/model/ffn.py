@@ -45,7 +45,8 @@ class MoeBlock:
         p = f"{prefix or f'layers.{layer}'}.moe"
         self.layer = layer
         bias = vector(dense[f"{p}.router_bias"]) if args.score_correction_bias else None
-        self.router = Router(args, dense[f"{p}.router"], bias)
+        logit_bias = vector(dense[f"{p}.router_logit_bias"]) if args.router_logit_bias else None
+        self.router = Router(args, dense[f"{p}.router"], bias, logit_bias)
         self.shared = SwiGlu(dense, f"{p}.shared") if args.shared_intermediate_size else None
         self.shared_gate = dense[f"{p}.shared_gate"] if args.shared_expert_gate else None  # [1, D]
 

@@ -24,6 +24,14 @@ A step writes its new positions at [length, length + n) of every layer and only 
 `commit`s them, so a step that fails half-way leaves the cache as it was.
 The arrays grow by doubling; `to_arrays`/`from_arrays` carry exactly the committed positions
 (plus the token ids that produced them) for the prefix cache.
+
+Sliding-window layers (gpt-oss: ModelArgs.window(i) = W > 0) keep only their latest
+positions: their arrays hold positions [start(i), length), and once they hold 2 * KEEP
+of them the oldest are dropped, keeping KEEP = W + ROLLBACK (the window of the next
+query, plus a few positions a rollback may return to). Row j of such an array is position
+start(i) + j; `get` returns the rows, `start` says where they begin. A cache can be
+truncated, and a persisted one resumed, only to a length whose window it still holds
+(`min_length`).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ F32 = npt.NDArray[np.float32]
 Layout = dict[str, tuple[int, ...]]  # array name -> per-position shape
 
 MIN_CAPACITY = 16
+ROLLBACK = 16  # positions a sliding-window layer keeps beyond its window (speculative rollback)
 
 
 def cache_layout(args: ModelArgs) -> Layout:
@@ -68,6 +77,11 @@ def cache_state(args: ModelArgs) -> dict[int, Layout]:
     return {i: {"conv": conv, "ssm": ssm} for i, lin in enumerate(args.linear_layers) if lin}
 
 
+def cache_windows(args: ModelArgs) -> dict[int, int]:
+    """Sliding-window layers: layer -> W (the positions it attends to)."""
+    return {i: args.window(i) for i in range(args.num_layers) if args.window(i)}
+
+
 def state_key(pos: int, layer: int, name: str) -> str:
     """Name of a state snapshot array in `to_arrays`: the state of positions [0, pos)."""
     return f"state.{pos}.layers.{layer}.{name}"
@@ -76,16 +90,22 @@ def state_key(pos: int, layer: int, name: str) -> str:
 class KVCache:
     def __init__(self, layout: Mapping[str, tuple[int, ...]], num_layers: int,
                  extra: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None,
-                 state: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None) -> None:
+                 state: Mapping[int, Mapping[str, tuple[int, ...]]] | None = None,
+                 windows: Mapping[int, int] | None = None) -> None:
         self.layout: Layout = {k: tuple(v) for k, v in layout.items()}
         self.extra: dict[int, Layout] = {int(i): {k: tuple(v) for k, v in lay.items()}
                                          for i, lay in sorted((extra or {}).items())}
         self.state_layout: dict[int, Layout] = {int(i): {k: tuple(v) for k, v in lay.items()}
                                                 for i, lay in sorted((state or {}).items())}
-        if any(not 0 <= i < num_layers for i in [*self.extra, *self.state_layout]):
-            raise ValueError(f"extra KV arrays for layers {sorted(self.extra)} and state for "
-                             f"{sorted(self.state_layout)} of a {num_layers}-layer cache")
+        self.windows: dict[int, int] = {int(i): int(w) for i, w in sorted((windows or {}).items())}
+        if any(not 0 <= i < num_layers for i in [*self.extra, *self.state_layout, *self.windows]):
+            raise ValueError(f"extra KV arrays for layers {sorted(self.extra)}, state for "
+                             f"{sorted(self.state_layout)} and windows for {sorted(self.windows)} of a "
+                             f"{num_layers}-layer cache")
+        if any(w <= 0 for w in self.windows.values()):
+            raise ValueError(f"sliding windows must be > 0, got {self.windows}")
         self.num_layers = num_layers
+        self._start = [0] * num_layers  # the position of each layer's row 0 (0 but in sliding-window layers)
         self._state: dict[tuple[int, str], F32] = self._zero_state()  # the state of [0, length)
         self._pending: dict[tuple[int, str], F32] = {}  # written by the step in flight
         self._snaps: dict[int, dict[tuple[int, str], F32]] = {}  # position -> the state of [0, position)
@@ -100,7 +120,27 @@ class KVCache:
 
     @classmethod
     def for_model(cls, args: ModelArgs) -> KVCache:
-        return cls(cache_layout(args), args.num_layers, cache_extra(args), cache_state(args))
+        return cls(cache_layout(args), args.num_layers, cache_extra(args), cache_state(args), cache_windows(args))
+
+    def start(self, layer: int) -> int:
+        """The first position layer `layer` still holds (0 unless it is a sliding-window layer)."""
+        return self._start[layer]
+
+    @property
+    def min_length(self) -> int:
+        """The shortest length this cache can be truncated to: every sliding-window layer must
+        still hold the window of the position that comes next."""
+        return max([s + self.windows[i] - 1 for i, s in enumerate(self._start) if s > 0], default=0)
+
+    def _rows(self, layer: int) -> int:
+        return self.length - self._start[layer]
+
+    def _capacity(self, layer: int) -> int | None:
+        """Rows layer `layer`'s arrays have room for (None: it keeps no per-position arrays)."""
+        return min((int(a.shape[0]) for a in self._arrays[layer].values()), default=None)
+
+    def _layer_floats(self, layer: int) -> int:
+        return sum(int(np.prod(s)) for s in self.layer_layout(layer).values())
 
     def _zero_state(self) -> dict[tuple[int, str], F32]:
         return {(i, n): np.zeros(shape, dtype=np.float32) for i, lay in self.state_layout.items()
@@ -111,8 +151,8 @@ class KVCache:
         return {**self.layout, **self.extra.get(layer, {})}
 
     def same_shape(self, other: KVCache) -> bool:
-        return ((self.layout, self.extra, self.state_layout, self.num_layers)
-                == (other.layout, other.extra, other.state_layout, other.num_layers))
+        return ((self.layout, self.extra, self.state_layout, self.windows, self.num_layers)
+                == (other.layout, other.extra, other.state_layout, other.windows, other.num_layers))
 
     # ---- size ---------------------------------------------------------------------
     @property
@@ -148,13 +188,15 @@ class KVCache:
         """Bytes of the committed positions and of the states `to_arrays` holds (what persisting
         this cache costs)."""
         states = len(self.state_positions) if self.state_layout else 0
-        return 4 * (self.length * self.position_floats + states * self.state_floats)
+        rows = sum(self._rows(i) * self._layer_floats(i) for i in range(self.num_layers))  # a sliding layer: its kept rows
+        return 4 * (rows + states * self.state_floats)
 
     @property
     def capacity_bytes(self) -> int:
         """Bytes the arrays hold in memory (capacity, not just the committed positions; the
         current state and every snapshot)."""
-        return 4 * (self.capacity * self.position_floats + (1 + len(self._snaps)) * self.state_floats)
+        rows = sum((self._capacity(i) or 0) * self._layer_floats(i) for i in range(self.num_layers))
+        return 4 * (rows + (1 + len(self._snaps)) * self.state_floats)
 
     @property
     def tokens(self) -> npt.NDArray[np.int32]:
@@ -166,15 +208,17 @@ class KVCache:
         """Make room for n more positions; returns where they start (= length). A step starts
         here: what a failed step before it wrote of the state is forgotten."""
         self._pending, self._pending_snaps = {}, {}
-        need = self.length + n
-        if need > self.capacity:
-            cap = max(need, 2 * self.capacity, MIN_CAPACITY)
-            for layer in self._arrays:
+        for i, layer in enumerate(self._arrays):
+            rows, have = self._rows(i), self._capacity(i)
+            if have is not None and rows + n > have:
+                cap = max(rows + n, 2 * have, MIN_CAPACITY)
                 for name, a in layer.items():
                     grown = np.zeros((cap, *a.shape[1:]), dtype=np.float32)
-                    grown[: self.length] = a[: self.length]
+                    grown[:rows] = a[:rows]
                     layer[name] = grown
-            tokens = np.zeros(cap, dtype=np.int32)
+        need = self.length + n
+        if need > self.capacity:
+            tokens = np.zeros(max(need, 2 * self.capacity, MIN_CAPACITY), dtype=np.int32)
             tokens[: self.length] = self._tokens[: self.length]
             self._tokens = tokens
         return self.length
@@ -193,16 +237,18 @@ class KVCache:
 
     def put(self, layer: int, name: str, start: int, values: F32) -> None:
         """Write positions [start, start + len(values)) of one layer's array."""
-        self._arrays[layer][name][start : start + len(values)] = values
+        r = start - self._start[layer]
+        self._arrays[layer][name][r : r + len(values)] = values
 
     def get(self, layer: int, name: str, end: int) -> F32:
-        """Positions [0, end) of one layer's array (a view, C-contiguous)."""
-        return self._arrays[layer][name][:end]
+        """Positions [start(layer), end) of one layer's array (a view, C-contiguous)."""
+        return self._arrays[layer][name][: end - self._start[layer]]
 
     def commit(self, tokens: Sequence[int] | npt.NDArray[np.integer]) -> None:
         """The positions written since `reserve` become part of the sequence."""
         t = np.asarray(tokens, dtype=np.int32).reshape(-1)
-        if self.length + len(t) > self.capacity:
+        if self.length + len(t) > self.capacity or any(
+                (c := self._capacity(i)) is not None and self._rows(i) + len(t) > c for i in range(self.num_layers)):
             raise ValueError(f"commit of {len(t)} positions without reserve (capacity {self.capacity})")
         self._tokens[self.length : self.length + len(t)] = t
         self.length += len(t)
@@ -215,6 +261,18 @@ class KVCache:
                 if len(snap) == len(self._state):
                     self._snaps[pos] = snap
             self._pending_snaps = {}
+        self._slide()
+
+    def _slide(self) -> None:
+        """Sliding-window layers drop their oldest positions once they hold 2 * KEEP (see the
+        module docstring): a copy of KEEP rows every KEEP positions."""
+        for i, w in self.windows.items():
+            keep = w + ROLLBACK
+            if self._rows(i) >= 2 * keep:
+                drop = self._rows(i) - keep
+                for a in self._arrays[i].values():
+                    a[:keep] = a[drop : drop + keep].copy()
+                self._start[i] += drop
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions (prefix reuse, rollback). With a fixed-size state, n below
@@ -223,6 +281,9 @@ class KVCache:
             raise ValueError(f"cannot truncate to {n} positions")
         if n >= self.length:
             return
+        if n < self.min_length:
+            raise ValueError(f"cannot truncate to {n} positions: the sliding-window layers keep positions "
+                             f"from {min(s for s in self._start if s)} on, so {self.min_length} is the shortest")
         if self.state_layout:
             if n == 0:
                 self._state = self._zero_state()
@@ -235,12 +296,13 @@ class KVCache:
 
     # ---- persistence ---------------------------------------------------------------
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """{"tokens": int32 [S], "layers.{i}.{name}": float32 [S, ...]} (copies), and with a
-        fixed-size state, for every position p of `state_positions`, "state.{p}.layers.{i}.{name}"."""
+        """{"tokens": int32 [S], "layers.{i}.{name}": float32 [S, ...]} (copies; a sliding-window
+        layer's hold its last positions only, [S - start(i), ...]), and with a fixed-size state,
+        for every position p of `state_positions`, "state.{p}.layers.{i}.{name}"."""
         out: dict[str, np.ndarray] = {"tokens": self.tokens.copy()}
         for i, layer in enumerate(self._arrays):
             for name, a in layer.items():
-                out[f"layers.{i}.{name}"] = a[: self.length].copy()
+                out[f"layers.{i}.{name}"] = a[: self._rows(i)].copy()
         if self.state_layout:
             for p in self.state_positions:
                 snap = self._state if p == self.length else self._snaps[p]
@@ -249,8 +311,10 @@ class KVCache:
         return out
 
     @classmethod
-    def from_arrays(cls, args: ModelArgs, arrays: Mapping[str, np.ndarray]) -> KVCache:
-        """Rebuild a cache of `args`'s layout; raises ValueError naming the first bad array."""
+    def from_arrays(cls, args: ModelArgs, arrays: Mapping[str, np.ndarray], length: int | None = None) -> KVCache:
+        """Rebuild a cache of `args`'s layout, of its first `length` positions (default: all; a
+        sliding-window layer must still hold the window of `length`, a fixed-size state needs a
+        snapshot there); raises ValueError naming the first bad array or why it cannot resume."""
         cache = cls.for_model(args)
         if "tokens" not in arrays:
             raise ValueError("KV cache arrays lack 'tokens'")
@@ -258,25 +322,42 @@ class KVCache:
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise ValueError(f"KV cache 'tokens' must be a 1-D integer array, got {tokens.dtype} {tokens.shape}")
         s = len(tokens)
+        n = s if length is None else int(length)
+        if not 0 <= n <= s:
+            raise ValueError(f"KV cache of {s} positions cannot give its first {n}")
         expected = {f"layers.{i}.{name}" for i in range(args.num_layers) for name in cache.layer_layout(i)}
-        states = cache._states_from(arrays, s)
+        states = cache._states_from(arrays, n)
         extra = set(arrays) - expected - {"tokens"} - {k for k in arrays if k.startswith("state.")}
         if extra:
             raise ValueError(f"KV cache arrays hold unknown entries: {sorted(extra)[:5]}")
-        cache.reserve(s)
+        starts = [0] * args.num_layers
         for i in range(args.num_layers):
+            w = cache.windows.get(i)
             for name, shape in cache.layer_layout(i).items():
                 key = f"layers.{i}.{name}"
                 if key not in arrays:
                     raise ValueError(f"KV cache arrays lack {key!r}")
                 a = np.asarray(arrays[key])
-                if a.shape != (s, *shape):
-                    raise ValueError(f"KV cache array {key!r} has shape {a.shape}, expected {(s, *shape)}")
-                cache.put(i, name, 0, a.astype(np.float32, copy=False))
+                rows_ok = a.shape[0] == s if w is None else min(s, w) <= a.shape[0] <= s
+                if a.shape[1:] != shape or not rows_ok:
+                    raise ValueError(f"KV cache array {key!r} has shape {a.shape}, expected {(s, *shape)}"
+                                     + ("" if w is None else f" (or at least the last {min(s, w)} positions)"))
+                starts[i] = s - a.shape[0]
+            if w is not None and starts[i] > 0 and n < starts[i] + w - 1:
+                raise ValueError(f"KV cache layer {i} keeps positions {starts[i]}..{s - 1}: it cannot resume at "
+                                 f"{n} (its window of {w} needs positions from {n - w + 1})")
+        if cache.state_layout and n and n not in states:
+            raise ValueError(f"no recurrent state saved at position {n} (saved: {sorted(states)})")
+        for i in range(args.num_layers):
+            for name in cache.layer_layout(i):
+                rows = np.asarray(arrays[f"layers.{i}.{name}"])[: n - starts[i]]
+                cache._arrays[i][name] = np.array(rows, dtype=np.float32)  # a copy of the positions kept
+        cache._start = starts
+        cache._tokens = np.array(tokens[:n], dtype=np.int32)
+        cache.length = n
         if cache.state_layout:
-            cache._pending = dict(states.pop(s)) if s else cache._zero_state()
-            cache._snaps = {**states, s: {k: v.copy() for k, v in cache._pending.items()}} if s else states
-        cache.commit(tokens)
+            cache._state = dict(states.pop(n)) if n else cache._zero_state()
+            cache._snaps = {**states, n: {k: v.copy() for k, v in cache._state.items()}} if n else states
         return cache
 
     def _states_from(self, arrays: Mapping[str, np.ndarray], s: int) -> dict[int, dict[tuple[int, str], F32]]:

@@ -3,6 +3,8 @@
 Legend: T = rows, D = hidden, E = routed experts, K = experts per token, G = expert groups.
 
     scores  = softmax(x @ router.T)  or  sigmoid(x @ router.T)        [T, E]
+              (gpt-oss, topk_softmax: ids = top-K of x @ router.T + logit_bias,
+               weights = softmax over those K logits)
     choice  = scores (+ router_bias: DeepSeek-V3 correction, choice only)
     groups  = optional group limit: keep the topk_group groups ranked by
               max (DeepSeek-V2) or sum of top-2 (DeepSeek-V3) of `choice`
@@ -61,18 +63,26 @@ def select_experts(scores: F32, bias: F32 | None, args: ModelArgs) -> tuple[I32,
 
 
 class Router:
-    def __init__(self, args: ModelArgs, weight: QTensor, bias: F32 | None) -> None:
+    def __init__(self, args: ModelArgs, weight: QTensor, bias: F32 | None, logit_bias: F32 | None = None) -> None:
         self.args = args
         self.weight = weight  # [E, D]
         self.bias = bias if args.score_correction_bias else None  # [E]
+        self.logit_bias = logit_bias  # [E]: added to the logits (gpt-oss)
 
     def scores(self, ops: Ops, x: F32) -> F32:
-        """x [T, D] -> scores [T, E]."""
-        logits = ops.linear(x, self.weight)  # [T, E]
+        """x [T, D] -> scores [T, E] (topk_softmax: the logits themselves)."""
+        logits = ops.linear(x, self.weight, self.logit_bias)  # [T, E]
         if self.args.scoring_func == "sigmoid":
             return sigmoid(logits)
+        if self.args.scoring_func == "topk_softmax":
+            return logits
         return ops.softmax(logits)
 
     def route(self, ops: Ops, x: F32) -> tuple[I32, F32]:
         """x [T, D] -> (ids int32 [T, K], weights float32 [T, K])."""
+        if self.args.scoring_func == "topk_softmax":  # gpt-oss: top-k of the logits, softmax over those k
+            logits = self.scores(ops, x)
+            ids = top_k_desc(logits, self.args.num_experts_per_tok)  # [T, K]
+            top = np.ascontiguousarray(np.take_along_axis(logits, ids, axis=-1))  # [T, K]
+            return ids.astype(np.int32), np.ascontiguousarray(ops.softmax(top), dtype=np.float32)
         return select_experts(self.scores(ops, x), self.bias, self.args)

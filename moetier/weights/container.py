@@ -38,7 +38,7 @@ from moetier.weights.format import (
     xxh3_hex,
 )
 from moetier.weights.index import ExpertIndex
-from moetier.weights.layout import RecordLayout
+from moetier.weights.layout import RecordLayout, model_layout
 from moetier.weights.quant import ExpertWeights, QDType, QTensor
 from moetier.weights.schema import DENSE_ALLOWED, EXPERTS_ALLOWED, MTP_ALLOWED
 from moetier.weights.writer import mtp_expert_layers, planned_dense, planned_mtp
@@ -95,8 +95,7 @@ def _container_index(root: Path, doc: Any, args: ModelArgs, quant: dict[str, Any
     layers) and experts, one file per MoE layer holding that layer's records."""
     in_experts = {rel[len(experts_dir) + 1:]: n for rel, n in sizes.items() if rel.startswith(experts_dir + "/")}
     index = ExpertIndex.from_doc(root / experts_dir, doc, in_experts, label)
-    want = RecordLayout.build(args.moe_intermediate_size, args.hidden_size, dtype or quant["experts"],
-                              quant["group_size"])
+    want = model_layout(args, dtype or quant["experts"], quant["group_size"])
     if index.layout != want:
         raise FormatError(f"{label}: record layout does not match the model shape and quantization in {MANIFEST}")
     want_layers = args.moe_layer_ids if layers is None else layers

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from moetier.errors import FormatError
+from moetier.model.config import ModelArgs
 from moetier.weights.format import PART_ALIGN, RECORD_ALIGN
 from moetier.weights.quant import (
     MXFP4_GROUP,
@@ -223,3 +224,12 @@ def bias_tensor(v: np.ndarray) -> QTensor:
     """A bias vector [n] as the f32 [1, n] part it is stored as."""
     a = np.ascontiguousarray(v, dtype=np.float32).reshape(1, -1)
     return QTensor("f32", (1, a.shape[1]), a)
+
+
+def model_layout(args: ModelArgs, dtype: QDType, group_size: int) -> RecordLayout:
+    """The record layout of `args`'s routed experts: with biases and gpt-oss's clamped SwiGLU
+    where the model has them."""
+    act = (ExpertAct("clamped_swiglu", args.swiglu_alpha, args.swiglu_limit) if args.expert_act == "clamped_swiglu"
+           else SILU)
+    return RecordLayout.build(args.moe_intermediate_size, args.hidden_size, dtype, group_size,
+                              biases=args.expert_bias, act=act)

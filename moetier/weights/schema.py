@@ -84,6 +84,10 @@ def layer_shapes(a: ModelArgs, p: str, *, moe: bool, indexer: bool, linear: bool
             out[f"{p}.attn.bq"] = (q,)
             out[f"{p}.attn.bk"] = (kv,)
             out[f"{p}.attn.bv"] = (kv,)
+        if a.o_bias:
+            out[f"{p}.attn.bo"] = (d,)
+        if a.attn_sinks:
+            out[f"{p}.attn.sinks"] = (a.num_heads,)
         if a.qk_norm == "head":
             out[f"{p}.attn.q_norm"] = (a.head_dim,)
             out[f"{p}.attn.k_norm"] = (a.head_dim,)
@@ -95,6 +99,8 @@ def layer_shapes(a: ModelArgs, p: str, *, moe: bool, indexer: bool, linear: bool
         out[f"{p}.moe.router"] = (a.n_routed_experts, d)
         if a.score_correction_bias:
             out[f"{p}.moe.router_bias"] = (a.n_routed_experts,)
+        if a.router_logit_bias:
+            out[f"{p}.moe.router_logit_bias"] = (a.n_routed_experts,)
         fs = a.shared_intermediate_size
         if fs:
             out[f"{p}.moe.shared.w_gate"] = (fs, d)

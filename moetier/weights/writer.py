@@ -49,7 +49,7 @@ from moetier.weights.format import (
     xxh3_hex,
 )
 from moetier.weights.index import index_identity
-from moetier.weights.layout import RecordLayout
+from moetier.weights.layout import RecordLayout, model_layout
 from moetier.weights.quant import ExpertWeights, QDType
 from moetier.weights.schema import (
     DENSE_ALLOWED,
@@ -103,14 +103,14 @@ class ContainerWriter:
         self.out = out
         self.args = args
         self.quantization = {"experts": experts, "dense": dense, "group_size": group_size}
-        self.layout = RecordLayout.build(args.moe_intermediate_size, args.hidden_size, experts, group_size)
+        self.layout = model_layout(args, experts, group_size)
         self.dense_specs = planned_dense(args, dense, group_size)
         self.moe_layers = args.moe_layer_ids
         self.mtp = {"layers": mtp_layers, "dtype": mtp_dtype, "group_size": group_size,
                     "hidden_first": mtp_hidden_first} if mtp_layers else None
         self.mtp_specs = planned_mtp(args, mtp_layers, mtp_dtype, group_size) if mtp_layers else {}
         self.mtp_layers = mtp_expert_layers(args, mtp_layers)
-        self.mtp_layout = (RecordLayout.build(args.moe_intermediate_size, args.hidden_size, mtp_dtype, group_size)
+        self.mtp_layout = (model_layout(args, mtp_dtype, group_size)
                            if mtp_layers else None)
         self._records: dict[tuple[int, int], str] = {}
         self._dense_where: dict[str, str] = {}

@@ -25,7 +25,9 @@ Canonical names (what the container's dense/ files and the math use):
     layers.{i}.moe.router [E, D]       layers.{i}.moe.router_bias [E] (score correction)
     layers.{i}.moe.shared.w_gate/.w_up [Fs, D]  .w_down [D, Fs]
     layers.{i}.moe.shared_gate [1, D]
+  gpt-oss: layers.{i}.attn.bo [D]  .sinks [H]   layers.{i}.moe.router_logit_bias [E]
   Routed experts (expert records, not dense tensors): (layer, expert) -> gate/up [I, D], down [D, I]
+    (gpt-oss: and their biases gate_bias/up_bias [I], down_bias [D])
   MTP layers (DeepSeek-V3 style, source layers num_layers + k; moetier/weights/schema.mtp_shapes):
     mtp.{k}.enorm/.hnorm/.head_norm [D]   mtp.{k}.eh_proj [D, 2D]   the decoder block as mtp.{k}.*
     (attn_norm, attn.*, ffn_norm, moe.*), its routed experts as expert layer num_layers + k
@@ -65,10 +67,15 @@ class Expert:
 
 @dataclass(frozen=True)
 class FusedExperts:
-    """All experts of a layer in one 3-D tensor: gate_up [E, 2I, D] (gate rows first) or down [E, D, I]."""
+    """All experts of a layer in one 3-D tensor: gate_up [E, 2I, D] (gate rows first) or down [E, D, I].
+
+    layout "gpt_oss" (moetier/convert/adapters/gpt_oss.py): gate and up interleaved, dense
+    matrices transposed (gate_up [E, D, 2I], down [E, I, D]) or MXFP4 blocks with their scales,
+    and the biases gate_up_bias [E, 2I], down_bias [E, D]."""
 
     layer: int
-    part: Literal["gate_up", "down"]
+    part: Literal["gate_up", "down", "gate_up_bias", "down_bias"]
+    layout: Literal["standard", "gpt_oss"] = "standard"
 
 
 Target = Dense | Expert | FusedExperts
