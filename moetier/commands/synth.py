@@ -35,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{out} already holds a {args.format} checkpoint; left as it is (--if-missing)")
         return 0
     if args.format == "hf":
-        synth.write_hf_checkpoint(args.preset, out, args.seed, dtype=args.hf_dtype)
+        synth.write_hf_checkpoint(args.preset, out, args.seed, dtype=args.hf_dtype, mxfp4=args.hf_mxfp4)
     else:
         synth.write_container(args.preset, out, args.seed, args.experts, args.dense, args.group_size,
                               progress=True, mtp=None if args.mtp == "none" else args.mtp)
@@ -55,6 +55,8 @@ def register(sub: Any) -> None:
     p.add_argument("--mtp", choices=("int8", "bf16", "f32", "int4", "none"), default="int8",
                    help="the MTP layers of presets that have them (container only; int4 is refused)")
     p.add_argument("--hf-dtype", choices=("bf16", "f32", "f16"), default="bf16", help="hf only")
+    p.add_argument("--hf-mxfp4", action="store_true",
+                   help="hf only, gpt_oss presets: the experts as MXFP4 blocks and scales, as gpt-oss is released")
     p.add_argument("--list", action="store_true", help="list presets and their sizes")
     p.add_argument("--if-missing", action="store_true",
                    help="do nothing when OUT already holds a complete checkpoint (for start-up scripts)")
