@@ -199,7 +199,8 @@ def _value(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.nd
     z = rng.standard_normal(shape, dtype=np.float32)
     if name.endswith("norm"):
         return 1.0 + 0.1 * z
-    if name.endswith(("bq", "bk", "bv", "router_bias", "index_k_bias", "bo", "_bias")):
+    if name.endswith(("bq", "bk", "bv", "router_bias", "index_k_bias", "attn.bo", "router_logit_bias", "gate_up_bias",
+                      "down_bias")):
         return 0.1 * z
     if name.endswith("sinks"):
         return z
