@@ -26,6 +26,7 @@ Tests: tests/test_up.py (a running cluster) and tests/test_up_lifecycle.py (the 
 from __future__ import annotations
 
 import ctypes
+import http.client
 import json
 import logging
 import os
@@ -113,7 +114,8 @@ def http_healthy(url: str, timeout_s: float = 1.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:
             return int(r.status) == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
+        # HTTPException: something that does not speak HTTP/1.1 holds the port (a gRPC server)
         return False
 
 

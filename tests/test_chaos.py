@@ -182,3 +182,31 @@ def test_short_form_fails_no_request_wrongly_and_loses_nothing(tmp_path: Path) -
     # the faults bit: some requests failed (cleanly), and the persistence check had records to check
     assert t["failed_clean"] > 0 and t["succeeded"] > 0
     assert any(c["persisted"] > 1 for c in ran), "nothing was persisted: the lost-records check checked nothing"
+
+
+def test_a_health_check_answered_by_something_else_is_not_healthy() -> None:
+    """Found by `moetier chaos` (slow-reader + kill-gateway-restart): while the gateway restarted,
+    something else answered on its port with bytes that are not HTTP, and http_healthy raised
+    BadStatusLine out of the supervisor instead of answering "not healthy"."""
+    import socket
+    import threading
+
+    from moetier.launch import http_healthy
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    port = srv.getsockname()[1]
+
+    def answer() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00\x00\x03\x7f\xff\xff\xff")  # an HTTP/2 SETTINGS frame
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        assert http_healthy(f"http://127.0.0.1:{port}/health", timeout_s=5) is False
+    finally:
+        t.join(5)
+        srv.close()

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     root = args.dir or Path(tempfile.mkdtemp(prefix="moetier-chaos-"))
-    echo = (lambda s: None) if args.json else (lambda s: print(s, flush=True))
+    # progress: on stdout with the table, on stderr when stdout is the JSON report
+    out = sys.stderr if args.json else sys.stdout
+    echo = lambda s: print(s, file=out, flush=True)  # noqa: E731
     if args.soak is not None:
         rep: dict[str, Any] = asyncio.run(soak.run_soak(root, args.soak, args.window, args.fault_every,
                                                         echo=echo))
@@ -38,8 +41,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument("--faults: no fault named")
     cases = harness.select(names, args.short, pairs=not args.no_pairs)
     plan = harness.Plan.short() if args.short else harness.Plan()
-    if not args.json:
-        print(harness.HEADER, flush=True)
+    print(harness.HEADER, file=out, flush=True)
     rep = asyncio.run(harness.run_matrix(root, cases, plan, echo=echo))
     print(json.dumps(rep, indent=2) if args.json else harness.format_table(rep), flush=True)
     return 0 if rep["passed"] else 1
