@@ -253,6 +253,9 @@ async def run_case(cluster: ChaosCluster, faults: list[Fault], reference: dict[s
     if pre:
         probe.task = asyncio.ensure_future(probe.loop())
         await inject_and_restore(probe)
+        # a start-up fault: the load comes once the restarted service serves (registered with the
+        # router, which a healthy gRPC server may not be yet)
+        await healthy(cluster, idle=False)
         work = asyncio.ensure_future(run_workload(cluster.url, during, allowed))
     else:
         work = asyncio.ensure_future(run_workload(cluster.url, during, allowed))
