@@ -262,8 +262,12 @@ async def test_mirror_removed_mid_run_fails_no_request(model: Path, tmp_path: Pa
                 done.append(layer)
 
         callers = [asyncio.ensure_future(caller(i)) for i in range(3)]
-        await asyncio.sleep(0.3)
-        reads_before = st.core.tier.stats().io.disks[1].reads  # type: ignore[union-attr]
+        # the mirror in use before it goes: wait for its first reads (however slow the machine)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while (reads_before := st.core.tier.stats().io.disks[1].reads) == 0:  # type: ignore[union-attr]
+            assert loop.time() < deadline, "no read reached the mirror in 60 s"
+            await asyncio.sleep(0.02)
         shutil.rmtree(mirror)
         n = len(done)
         while len(done) < n + 30:
