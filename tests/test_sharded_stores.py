@@ -254,6 +254,13 @@ async def test_sharded_stores_give_one_stores_bits_survive_a_death_and_take_a_st
                 assert all(placed[s] > 0 for s in "abc") and sum(placed.values()) == 16, placed
                 assert all(m.member.info.read_bandwidth == 1e9 for m in status.members)  # the configured weight
 
+                # a put aside (as after one failed call) while it alone owns layer 1's experts 4-7:
+                # tried again before those rows fail, and it serves
+                sharded._down["a"] = (time.monotonic() + 60, sharded._stores["a"].address)
+                got = await asyncio.to_thread(sharded.moe, 1, *batches[3])
+                assert got.tobytes() == want[(1, 3)].tobytes()
+                sharded._down.clear()
+
                 # c dies without a word (no drain: still in the map until it expires): a and b own
                 # all it had, and the steps that find it gone are computed again there
                 failed = sharded.stats.failed_calls

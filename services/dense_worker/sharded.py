@@ -103,9 +103,10 @@ class _ShardedCall:
     store that failed."""
 
     def __init__(self, owner: ShardedExperts, layer: int, x: F32, ids: I32, weights: F32, deadline: float,
-                 parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall]]) -> None:
+                 parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall]],
+                 last_resort: bool = False) -> None:
         self.owner, self.layer, self.x, self.ids, self.weights = owner, layer, x, ids, weights
-        self.deadline, self.parts = deadline, parts
+        self.deadline, self.parts, self.last_resort = deadline, parts, last_resort
 
     def result(self) -> F32:
         failed: str | None = None
@@ -166,13 +167,22 @@ class ShardedExperts:
     def moe_start(self, layer: int, x: F32, ids: I32, weights: F32) -> _ShardedCall:
         return self._start(layer, x, ids, weights, time.monotonic() + self.timeout_s)
 
-    def _start(self, layer: int, x: F32, ids: I32, weights: F32, deadline: float) -> _ShardedCall:
+    def _start(self, layer: int, x: F32, ids: I32, weights: F32, deadline: float,
+               last_resort: bool = False) -> _ShardedCall:
         pmap = self._current()
         union = np.unique(ids)
         assign, missing = pmap.assign(layer, union.tolist(), self._down_now())
         if missing:  # a store may have joined since the last poll
             pmap = self._current(refresh=True)
             assign, missing = pmap.assign(layer, union.tolist(), self._down_now())
+        if missing and not last_resort and self._down_now():
+            # only stores put aside own these: try them once more before failing the rows (a store
+            # put aside after one failed call may serve again, e.g. restarted since)
+            again, still = pmap.assign(layer, union.tolist(), frozenset())
+            if len(still) < len(missing):
+                log.info("layer %d: experts %s are owned only by stores put aside (%s); trying them again",
+                         layer, missing[:8], ", ".join(sorted(self._down_now())))
+                assign, missing, last_resort = again, still, True
         if missing:  # the rows needing these fail; the caller may step the others again
             rows = np.flatnonzero(np.isin(ids, np.asarray(missing, dtype=ids.dtype)).any(axis=1))
             raise RowsUnavailable(self._no_owner(pmap, layer, missing), frozenset(rows.tolist()))
@@ -195,14 +205,15 @@ class ShardedExperts:
             for _, _, call in parts:
                 call.abandon()
             failed = pmap.stores[sorted(assign)[len(parts)]].member_id
-            return _Retry(self._retry_start(layer, x, ids, weights, deadline, failed, e))
-        return _ShardedCall(self, layer, x, ids, weights, deadline, parts)
+            return _Retry(self._retry_start(layer, x, ids, weights, deadline, failed, e, last_resort))
+        return _ShardedCall(self, layer, x, ids, weights, deadline, parts, last_resort)
 
     def _retry(self, call: _ShardedCall, failed: str, error: MoetierError) -> F32:
-        return self._retry_start(call.layer, call.x, call.ids, call.weights, call.deadline, failed, error).result()
+        return self._retry_start(call.layer, call.x, call.ids, call.weights, call.deadline, failed, error,
+                                 call.last_resort).result()
 
     def _retry_start(self, layer: int, x: F32, ids: I32, weights: F32, deadline: float, failed: str,
-                     error: MoetierError) -> _ShardedCall:
+                     error: MoetierError, last_resort: bool = False) -> _ShardedCall:
         """The layer again without `failed`, while its deadline lasts."""
         client = self._stores.get(failed)
         self._down[failed] = (time.monotonic() + self.down_s, client.address if client is not None else "")
@@ -211,7 +222,7 @@ class ShardedExperts:
                               f"({self.timeout_s:g} s) is over") from None
         log.warning("layer %d: expert store %s failed (%s); computing its share on the other owners", layer,
                     failed, error)
-        return self._start(layer, x, ids, weights, deadline)
+        return self._start(layer, x, ids, weights, deadline, last_resort)
 
     def _no_owner(self, pmap: PlacementMap, layer: int, missing: list[int]) -> str:
         down = sorted(self._down_now())
