@@ -99,6 +99,20 @@ def ensure_model(settings: Settings, echo: Callable[[str], None] = say) -> Path:
     return ensure_demo_model(settings, say=False)
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct loopback ports free now (bound together, then released)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def grpc_healthy(address: str, timeout_s: float = 1.0) -> bool:
     """True when the gRPC server at `address` reports SERVING (grpc.health.v1, overall status)."""
     try:

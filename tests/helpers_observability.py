@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -22,23 +21,12 @@ import httpx
 import yaml
 
 from moetier.convert.synth import write_container
-from moetier.launch import Supervisor, gateway_url, service_specs
+from moetier.launch import Supervisor, free_ports, gateway_url, service_specs
 from moetier.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.local.yml"
 SERVICES = ("router", "expert_store", "dense_worker", "gateway")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def eventually(check: Callable[[], Any], within_s: float, what: str, every_s: float = 0.25) -> Any:

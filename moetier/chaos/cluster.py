@@ -19,7 +19,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,23 +29,20 @@ from typing import IO, Any
 import yaml
 
 from moetier.errors import Unavailable
-from moetier.launch import SERVICES, ServiceSpec, die_with_parent, ensure_model, gateway_url, service_specs
+from moetier.launch import (
+    SERVICES,
+    ServiceSpec,
+    die_with_parent,
+    ensure_model,
+    free_ports,
+    gateway_url,
+    service_specs,
+)
 from moetier.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
 VOLATILE_BYTES = 16 << 20  # the tmpfs of the prefix cache and usage history
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def proc_stats(pid: int) -> dict[str, int] | None:

@@ -17,7 +17,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,24 +32,11 @@ from moetier.bench.peers.client import wait_ready
 from moetier.bench.peers.peer import Peer
 from moetier.bench.peers.sandbox import Cgroup, Sandbox, rss_bytes
 from moetier.errors import Unavailable
-from moetier.launch import die_with_parent
+from moetier.launch import die_with_parent, free_ports
 
 START_TIMEOUT_S = 900.0
 READY = re.compile(r"^moetier: (\w+)\s+ready\s+\(pid (\d+),")
 UP = re.compile(r"^moetier is up: (http://\S+)/v1\s+\(model '([^']+)'")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _preexec(cgroup: Cgroup | None, cpus: list[int]) -> Callable[[], None]:
