@@ -271,8 +271,8 @@ def test_client_counts_tokens_and_reads_the_counters(tiny: Path, tmp_path: Path)
             return Counters(calls[-1], 0.5 * len(calls), 100 * len(calls))
 
         t = complete(s.url, s.model_name, "The expert store", 6, counters, usage=True)
-        assert t.tokens == len(t.chunks) and 1 <= t.tokens <= 6
-        assert len(calls) == t.tokens + 2  # start, each text chunk, end
+        assert t.tokens == len(t.chunks) == t.usage_tokens and 1 <= t.tokens <= 6
+        assert len(calls) == t.tokens + 2  # start, each step chunk, end
         assert t.read_bytes == 100 * (len(calls) - 1)
         assert t.ttft_s > 0 and t.text == _greedy_text(tiny, "The expert store", 6)
     finally:
@@ -311,14 +311,39 @@ def test_client_times_a_token_without_text_by_its_finish() -> None:
     url, stop = _sse_server([{"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}])
     try:
         t = complete(url, "m", "a prompt", 1, counters, usage=False)
-        assert t.tokens == 0 and t.text == "" and t.finish_reason == "length"
+        assert t.tokens == 1 and t.text == "" and t.finish_reason == "length"
         assert t.ttft_s > 0 and t.decode_tok_s is None
     finally:
         stop()
     url, stop = _sse_server([])
     try:
-        with pytest.raises(Unavailable, match="streamed no text"):
+        with pytest.raises(Unavailable, match="streamed no token"):
             complete(url, "m", "a prompt", 1, counters, usage=False)
+    finally:
+        stop()
+
+
+def test_client_counts_steps_whose_text_is_held_back() -> None:
+    """llama.cpp streams a chunk per generated step, with empty text while bytes of a character
+    are held back, then a finish-only chunk: every step is a token, the finish is not; a
+    server's larger usage count (several tokens per step) wins."""
+    def counters() -> Counters:
+        return Counters(time.perf_counter(), 0.0, 0)
+
+    step = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}
+    text = {"choices": [{"index": 0, "text": "\u00e9", "finish_reason": None}]}
+    fin = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+    url, stop = _sse_server([step, step, text, step, fin])
+    try:
+        t = complete(url, "m", "a prompt", 4, counters, usage=False)
+        assert t.tokens == 4 and len(t.chunks) == 4 and t.text == "\u00e9" and t.finish_reason == "length"
+        assert t.decode_tok_s is not None and t.decode_tok_s > 0
+    finally:
+        stop()
+    url, stop = _sse_server([text, text, fin, {"choices": [], "usage": {"completion_tokens": 5}}])
+    try:
+        t = complete(url, "m", "a prompt", 5, counters, usage=True)
+        assert len(t.chunks) == 2 and t.tokens == 5 and t.usage_tokens == 5
     finally:
         stop()
 

@@ -138,8 +138,11 @@ class CompletionFormat(_Format):
         return [self._chunk({"index": 0, "text": self.echo, "logprobs": None, "finish_reason": None})]
 
     def chunks(self, piece: Piece) -> list[dict[str, Any]]:
+        # a chunk for every piece that carries tokens, even one whose text is still held back
+        # (bytes of a multi-byte character, a partial stop match): one chunk per generated
+        # step, as llama.cpp's server streams, so a client can time each step
         lps = self._logprobs(piece.tokens)
-        if not (piece.text or lps or piece.finish_reason):
+        if not (piece.text or piece.tokens or lps or piece.finish_reason):
             return []
         return [self._chunk({"index": 0, "text": piece.text, "logprobs": lps.model_dump() if lps else None,
                              "finish_reason": piece.finish_reason})]

@@ -3,12 +3,15 @@
 Per request: TTFT (request sent -> first token's chunk), decode tok/s ((tokens - 1) /
 (last token's chunk - first token's chunk)), the text, and, through the hooks, the system's
 CPU time and disk bytes between the first and the last token (decode) and over the whole
-request. Decode counts one token per streamed chunk that carries text, for every system
-(both servers stream a chunk per token; a stop token adds no text and is not counted); the
-usage the server reports (moetier: stream_options.include_usage) is kept beside it.
-A completion whose tokens decode to no text (one token of a multi-byte character, as
-the 1-token prefill requests of a model with random weights can give) times its first
-token by the chunk that finishes it: the server sends it as soon as that token is made.
+request. Decode counts one token per streamed step chunk, for every system: both servers
+stream a chunk per generated step, with empty text while a multi-byte character or a
+partial stop match is held back (a model with random weights gives many such tokens). A
+last chunk with no text that only carries the finish_reason is not a step. Where the server
+reports usage (moetier: stream_options.include_usage) and it counts more tokens than steps
+(several tokens per step, as speculative decoding gives), the usage count is used.
+A completion whose one token decodes to no text and comes only with the finish (a 1-token
+prefill request) is timed by that finishing chunk: the server sends it as soon as the
+token is made.
 """
 
 from __future__ import annotations
@@ -39,14 +42,14 @@ class Timed:
     max_tokens: int
     ttft_s: float = 0.0
     total_s: float = 0.0
-    tokens: int = 0  # streamed chunks with text
+    tokens: int = 0  # generated tokens timed: step chunks, or the usage count where it is larger
     usage_tokens: int | None = None  # completion_tokens as the server reported them
     text: str = ""
     finish_reason: str | None = None
     decode_cpu_s: float = 0.0
     decode_wall_s: float = 0.0
     read_bytes: int = 0  # over the whole request
-    chunks: list[float] = field(default_factory=list, repr=False)  # arrival of each text chunk
+    chunks: list[float] = field(default_factory=list, repr=False)  # arrival of each step chunk
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -86,24 +89,26 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, counters: Calla
                 usage_tokens = int(chunk["usage"]["completion_tokens"])
             for choice in chunk.get("choices") or []:
                 text = choice.get("text") or ""
-                if text:
+                finish = choice.get("finish_reason")
+                if text or not finish:  # a step (a finish-only chunk is not)
                     now = counters()
                     if first is None:
                         first = now
                     last = now
                     out.chunks.append(now.t)
                     pieces.append(text)
-                if choice.get("finish_reason"):
-                    out.finish_reason = choice["finish_reason"]
+                if finish:
+                    out.finish_reason = finish
                     if first is None and finished is None:
                         finished = counters()
     end = counters()
-    if first is None and finished is not None:  # tokens without text: timed by their finish
+    if first is None and finished is not None:  # a token without text: timed by its finish
         first = last = finished
+        out.chunks.append(finished.t)
     if first is None or last is None:
-        raise Unavailable(f"{url}: the completion streamed no text (finish_reason {out.finish_reason})")
+        raise Unavailable(f"{url}: the completion streamed no token (finish_reason {out.finish_reason})")
     out.text = "".join(pieces)
-    out.tokens = len(pieces)
+    out.tokens = max(len(out.chunks), usage_tokens or 0)
     out.usage_tokens = usage_tokens
     out.ttft_s = first.t - start.t
     out.total_s = end.t - start.t

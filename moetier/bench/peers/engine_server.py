@@ -84,8 +84,10 @@ class _Handler(BaseHTTPRequestHandler):
             if g.finish_reason is not None:
                 text += detok.flush()
             texts.append(text)
-            if stream and (text or finish):
-                self._event({"choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+            if stream:  # a chunk per step, then the finish alone, as llama.cpp's server streams
+                self._event({"choices": [{"index": 0, "text": text, "finish_reason": None}]})
+                if finish:
+                    self._event({"choices": [{"index": 0, "text": "", "finish_reason": finish}]})
         usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
         if stream:
             self._event({"choices": [], "usage": usage})

@@ -156,7 +156,9 @@ class LlamaCpp(System):
                                 self.model_name, "--host", "127.0.0.1", "--port", str(port),
                                 "--n_threads", str(self.threads), "--n_threads_batch", str(self.threads),
                                 "--n_ctx", str(self.n_ctx), "--use_mmap", "true", "--logits_all", "false",
-                                "--verbose", "false")
+                                # the server locks the model in RAM by default (use_mlock), which a
+                                # memory cap smaller than the model turns into an OOM kill at load
+                                "--use_mlock", "false", "--verbose", "false")
 
 
 @dataclass
