@@ -166,12 +166,13 @@ def run_block(block: Block, rounds: int, prompts: Prompts, work: Path, *, cpus: 
 
 
 def moetier_footprint(model: Path, work: Path, cpus: list[int], in_process: bool) -> dict[str, int]:
-    """moetier's memory without experts: each process's RSS right after a start with an expert
-    cache of 1% (what the capped regime's expert cache must leave room for)."""
+    """moetier's memory without experts: each process's PSS right after a start with an expert
+    cache of 1% (what the capped regime's expert cache must leave room for). PSS, not RSS: the
+    services share their libraries' pages, which the cap charges once."""
     cls = MoetierInProcess if in_process else MoetierUp
     system = cls(label="moetier footprint probe", kind="moetier", work=work, model=model, expert_cache="1%")
     try:
         system.start(None, cpus)
-        return system.baseline()
+        return system.footprint()
     finally:
         system.stop()
