@@ -29,9 +29,7 @@ from moetier.bench.peers.sandbox import (
     block_device,
     cgroup_v1_available,
     descendants,
-    pss_bytes,
     read_bytes,
-    rss_bytes,
 )
 from moetier.bench.peers.systems import LlamaCpp, MoetierInProcess, MoetierUp
 from moetier.cli import main
@@ -150,8 +148,6 @@ def test_process_tree_counters(tmp_path: Path) -> None:
         sb = Sandbox(root_pid=p.pid)
         assert sb.rss() > 0 and sb.cpu_seconds() >= 0.29
         assert read_bytes(p.pid) >= 0
-        # PSS splits the pages the two interpreters share: each one's is below its RSS
-        assert 0 < pss_bytes(p.pid) < rss_bytes(p.pid) and 0 < pss_bytes(grandchild) < rss_bytes(grandchild)
     finally:
         p.kill()
         p.wait()

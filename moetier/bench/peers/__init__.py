@@ -326,7 +326,7 @@ def block_result(block: run.Block, results: dict[str, list[dict[str, Any]]],
                            "prefill": report.ratio(a["prefill_tok_s"], b["prefill_tok_s"]),
                            "ttft": report.ratio(a["ttft_s"], b["ttft_s"])})
     return {"precision": block.precision, "regime": block.regime, "describe": PRECISIONS[block.precision].describe(),
-            "cap_bytes": block.cap_bytes, "moetier_footprint_pss": footprint, "notes": block.notes,
+            "cap_bytes": block.cap_bytes, "moetier_footprint_rss": footprint, "notes": block.notes,
             "systems": systems, "ratios": ratios, "text_check": report.text_check(results)}
 
 

@@ -166,13 +166,12 @@ def run_block(block: Block, rounds: int, prompts: Prompts, work: Path, *, cpus: 
 
 
 def moetier_footprint(model: Path, work: Path, cpus: list[int], in_process: bool) -> dict[str, int]:
-    """moetier's memory without experts: each process's PSS right after a start with an expert
-    cache of 1% (what the capped regime's expert cache must leave room for). PSS, not RSS: the
-    services share their libraries' pages, which the cap charges once."""
+    """moetier's memory without experts: each process's RSS right after a start with an expert
+    cache of 1% (what the capped regime's expert cache must leave room for)."""
     cls = MoetierInProcess if in_process else MoetierUp
     system = cls(label="moetier footprint probe", kind="moetier", work=work, model=model, expert_cache="1%")
     try:
         system.start(None, cpus)
-        return system.footprint()
+        return system.baseline()
     finally:
         system.stop()

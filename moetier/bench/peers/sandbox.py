@@ -74,19 +74,6 @@ def rss_bytes(pid: int, proc: Path = PROC) -> int:
     return 0
 
 
-def pss_bytes(pid: int, proc: Path = PROC) -> int:
-    """Proportional set size of one process (smaps_rollup Pss: each page shared by n processes
-    counts 1/n), 0 when it is gone. Summed over a process tree it counts a shared library once,
-    as a memory cgroup charges it, where summed RSS counts it in every process."""
-    try:
-        for line in (proc / str(pid) / "smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def read_bytes(pid: int, proc: Path = PROC) -> int:
     """Bytes this process caused to be read from storage (/proc/<pid>/io read_bytes)."""
     try:

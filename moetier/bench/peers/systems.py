@@ -30,7 +30,7 @@ import yaml
 
 from moetier.bench.peers.client import wait_ready
 from moetier.bench.peers.peer import Peer
-from moetier.bench.peers.sandbox import Cgroup, Sandbox, pss_bytes, rss_bytes
+from moetier.bench.peers.sandbox import Cgroup, Sandbox, rss_bytes
 from moetier.errors import Unavailable
 from moetier.launch import die_with_parent, free_ports
 
@@ -114,10 +114,6 @@ class System:
     def baseline(self) -> dict[str, int]:
         """RSS of each of its processes now (call right after start: before any request)."""
         return {name: rss_bytes(pid) for name, pid in self.pids.items()}
-
-    def footprint(self) -> dict[str, int]:
-        """PSS of each of its processes now: what they hold, shared libraries counted once."""
-        return {name: pss_bytes(pid) for name, pid in self.pids.items()}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -210,9 +206,6 @@ class MoetierUp(System):
         """RSS of each service (and of `moetier up`, the supervisor)."""
         return {("up" if name == self.kind else name): rss_bytes(pid) for name, pid in self.pids.items()}
 
-    def footprint(self) -> dict[str, int]:
-        return {("up" if name == self.kind else name): pss_bytes(pid) for name, pid in self.pids.items()}
-
 
 @dataclass
 class MoetierInProcess(System):
@@ -233,7 +226,3 @@ class MoetierInProcess(System):
     def baseline(self) -> dict[str, int]:
         assert self.proc is not None
         return {"engine": rss_bytes(self.proc.pid)}
-
-    def footprint(self) -> dict[str, int]:
-        assert self.proc is not None
-        return {"engine": pss_bytes(self.proc.pid)}
