@@ -18,7 +18,7 @@ import pytest
 import yaml
 from helpers_hf import write_tiny_checkpoint
 
-from moetier.bench.peers import report, run
+from moetier.bench.peers import inputs, report, run
 from moetier.bench.peers.client import Counters, complete
 from moetier.bench.peers.gguf_convert import is_gpt2_pre_tokenizer
 from moetier.bench.peers.peer import Peer, find_peer
@@ -35,7 +35,7 @@ from moetier.bench.peers.systems import LlamaCpp, MoetierInProcess, MoetierUp
 from moetier.cli import main
 from moetier.convert import synth
 from moetier.engine import Engine
-from moetier.errors import Unavailable
+from moetier.errors import ResourceExhausted, Unavailable
 from moetier.model.sampling import SamplingParams
 from moetier.settings import load_settings
 
@@ -346,6 +346,40 @@ def test_client_counts_steps_whose_text_is_held_back() -> None:
         assert len(t.chunks) == 2 and t.tokens == 5 and t.usage_tokens == 5
     finally:
         stop()
+
+
+class _FakePeer(Peer):
+    """Peer scripts replaced by one that writes part of its output file, then fails (or not)."""
+
+    fail = True
+
+    def script(self, name: str, *args: str) -> list[str]:
+        code = ("import sys; a = sys.argv[1:]; out = a[a.index('--outfile') + 1] if '--outfile' in a else a[1]\n"
+                f"open(out, 'wb').write(b'partial'); sys.exit({1 if self.fail else 0})")
+        return [sys.executable, "-c", code, *args]
+
+
+def test_a_failed_gguf_conversion_leaves_no_partial_file_and_a_full_disk_is_refused_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"x" * 1000)
+    models = inputs.models_dir(tmp_path)
+    models.mkdir(parents=True)
+    peer = _FakePeer(tmp_path / "peer", "0.0")
+    with pytest.raises(Unavailable, match=r"convert_hf_to_gguf\.py failed"):
+        inputs.gguf(tmp_path, hf, peer, inputs.PRECISIONS["q4"], say=lambda _: None)
+    assert sorted(p.name for p in models.iterdir()) == [f"{inputs.PRESET}-seed{inputs.SEED}.llama-cpp-python-0.0.log"]
+    # not enough room: refused before anything runs, naming what it needs and what is free
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(inputs.shutil, "disk_usage", lambda _: usage._replace(free=2**30))
+    with pytest.raises(ResourceExhausted, match=r"convert_hf_to_gguf\.py needs about 0\.0 GB .* 1\.1 GB is free"):
+        inputs.gguf(tmp_path, hf, peer, inputs.PRECISIONS["q4"], say=lambda _: None)
+    monkeypatch.undo()
+    object.__setattr__(peer, "fail", False)  # a run that succeeds renames its output into place
+    out = inputs.gguf(tmp_path, hf, peer, inputs.PRECISIONS["q4"], say=lambda _: None)
+    assert out.read_bytes() == b"partial" and out.name.endswith(".Q4_0.gguf")
+    assert not [p for p in models.iterdir() if p.name.startswith(".")]
 
 
 # ---- with the peer built ----------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any
 
 from moetier.bench.peers.peer import Peer
 from moetier.convert.converter import ConvertOptions, convert
-from moetier.errors import Unavailable
+from moetier.errors import ResourceExhausted, Unavailable
 
 PRESET = "olmoe-1b-7b"
 SEED = 0
@@ -89,6 +89,30 @@ def _peer_run(argv: list[str], log: Path, what: str) -> None:
         raise Unavailable(f"{what} failed (exit code {r.returncode}; log {log}):\n{tail}")
 
 
+# bytes of a GGUF per byte of the bf16 one: Q4_0 is 18 bytes per 32 weights, Q8_0 34 per 32
+GGUF_SHARE = {"bf16": 1.0, "Q4_0": 18 / 64, "Q8_0": 34 / 64}
+
+
+def _room(where: Path, need: int, what: str) -> None:
+    """ResourceExhausted unless `where`'s file system has `need` bytes free (and 1 GiB more)."""
+    free = shutil.disk_usage(where).free
+    if free < need + 2**30:
+        raise ResourceExhausted(f"{what} needs about {need / 1e9:.1f} GB in {where} (+1 GiB to spare), and "
+                                f"{free / 1e9:.1f} GB is free: free some space, or set data_dir elsewhere")
+
+
+def _write(final: Path, argv: Callable[[Path], list[str]], log: Path, what: str, need: int) -> None:
+    """Run the peer script `argv(tmp)`, which writes `final`'s temporary sibling tmp, then rename
+    it into place; a failed run leaves nothing behind (a partial bf16 GGUF is 2 bytes a weight)."""
+    _room(final.parent, need, what)
+    tmp = final.with_name(f".{final.name}.tmp")
+    try:
+        _peer_run(argv(tmp), log, what)
+        tmp.rename(final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def gguf(data_dir: Path, hf: Path, peer: Peer, p: Precision, keep_bf16: bool = False,
          say: Callable[[str], None] = print) -> Path:
     """The GGUF of `p`, made by the peer's own converter and quantizer (once)."""
@@ -99,16 +123,14 @@ def gguf(data_dir: Path, hf: Path, peer: Peer, p: Precision, keep_bf16: bool = F
         return out
     log = root / f"{stem}.log"
     bf16 = root / f"{stem}.bf16.gguf"
+    bf16_bytes = sum(f.stat().st_size for f in hf.glob("*.safetensors"))  # the checkpoint is bf16 too
     if not bf16.is_file():
         say(f"converting to GGUF with the sdist's convert_hf_to_gguf.py: {bf16}")
-        tmp = bf16.with_name(f".{bf16.name}.tmp")
-        _peer_run(peer.script("gguf_convert.py", str(peer.llama_cpp_dir), str(hf), "--outfile", str(tmp),
-                              "--outtype", "bf16"), log, "convert_hf_to_gguf.py")
-        tmp.rename(bf16)
+        _write(bf16, lambda tmp: peer.script("gguf_convert.py", str(peer.llama_cpp_dir), str(hf), "--outfile",
+                                             str(tmp), "--outtype", "bf16"), log, "convert_hf_to_gguf.py", bf16_bytes)
     say(f"quantizing to {p.gguf_type} with llama.cpp's quantizer: {out}")
-    tmp = out.with_name(f".{out.name}.tmp")
-    _peer_run(peer.script("gguf_quantize.py", str(bf16), str(tmp), p.gguf_type), log, "llama_model_quantize")
-    tmp.rename(out)
+    _write(out, lambda tmp: peer.script("gguf_quantize.py", str(bf16), str(tmp), p.gguf_type), log,
+           "llama_model_quantize", int(bf16_bytes * GGUF_SHARE.get(p.gguf_type, 1.0)))
     return out
 
 
