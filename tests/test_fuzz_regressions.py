@@ -28,7 +28,7 @@ from moetier.store.history import MAGIC as HIST_MAGIC
 from moetier.store.history import load_history
 from moetier.weights import Container
 from moetier.weights.format import INDEX, MANIFEST, json_bytes
-from moetier.weights.index import index_identity
+from moetier.weights.index import ExpertIndex, index_identity
 from moetier.weights.layout import RecordLayout
 from moetier.weights.safetensors_io import MappedFile, read_header
 
@@ -102,6 +102,15 @@ def test_json_nested_too_deep(good: Path) -> None:
     (good / MANIFEST).write_bytes(b"[" * 100_000 + b"]" * 100_000)
     with pytest.raises(FormatError, match=r"moetier\.json: not valid JSON"):
         Container.open(good)
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,  # nesting past the recursion limit
+                                 b'{"format_version": ' + b"7" * 5000 + b"}",  # an int past Python's digit limit
+                                 b"\xff\xfe{}"])  # not UTF-8
+def test_a_hostile_expert_index_is_a_format_error(good: Path, raw: bytes) -> None:
+    (good / INDEX).write_bytes(raw)
+    with pytest.raises(FormatError, match=r"index\.json: not valid JSON"):
+        ExpertIndex.load(good)
 
 
 def _safetensors(path: Path, header: dict[str, Any], data: int = 0) -> Path:

@@ -137,8 +137,8 @@ class ExpertIndex:
             doc = json.loads(path.read_bytes())
         except FileNotFoundError:
             raise NotFound(f"{Path(experts)}: no experts/{INDEX_FILE} (not a moetier container?)") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise FormatError(f"{path}: not valid JSON ({e})") from e
+        except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an int past Python's digit limit, deep nesting
+            raise FormatError(f"{path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
         index = cls.from_doc(d, doc, None, str(path))
         if parse is not None:
             index.parse = parse
