@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_cluster import free_port
 
 from moetier.cli import build_parser
 from moetier.commands.dense_worker import build_settings
 from moetier.convert import synth
+from moetier.launch import free_ports
 from moetier.rpc.v1 import dense_worker_pb2_grpc, generate_pb2
 from moetier.settings import load_settings
 from services.expert_store.server import create_server as create_store
@@ -51,7 +51,7 @@ async def test_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
         environ={})
     store, sport = create_store(store_settings, "127.0.0.1:0", threads=1)
     await store.start()
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)  # at once: distinct
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data_dir: {tmp_path / 'data'}\ninference:\n  max_batch_size: 3\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOETIER_")}

@@ -15,9 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_cluster import free_port, members, start_router
+from test_cluster import members, start_router
 
 from moetier.convert import synth
+from moetier.launch import free_ports
 from moetier.rpc.v1 import expert_store_pb2 as pb
 from moetier.rpc.v1 import expert_store_pb2_grpc as pb_grpc
 from moetier.rpc.v1 import router_pb2
@@ -49,7 +50,7 @@ async def test_command_serves_registers_and_stops_on_sigterm(tmp_path: Path) -> 
         identity = c.index.identity
     mirror = tmp_path / "mirror"
     mirror.mkdir()  # an empty mirror: served degraded ("absent"), never fatal
-    port, metrics_port, router_port = free_port(), free_port(), free_port()
+    port, metrics_port, router_port = free_ports(3)  # at once: distinct
     cfg = tmp_path / "store.yaml"
     cfg.write_text("cache:\n  policy: learned\nstorage:\n  queue_depth: 2\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOETIER_")}

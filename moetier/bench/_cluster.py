@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from moetier.errors import Unavailable
-from moetier.launch import ServiceSpec, Supervisor, grpc_healthy, service_specs
+from moetier.launch import ServiceSpec, Supervisor, free_ports, grpc_healthy, service_specs
 from moetier.settings import Settings
 from moetier.weights.format import EXPERTS_DIR
 
@@ -45,12 +44,6 @@ START_S = 300.0  # one service's start (imports, dense tensors, kernel warm-up) 
 _TICK = os.sysconf("SC_CLK_TCK")
 
 Sample = dict[str, float]  # "name{label=value,...}" (labels sorted) or "name" -> value
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def process_cpu_s(pid: int) -> float:
@@ -146,11 +139,14 @@ class LocalCluster:
         ones, data_dir by `data_dir`), `stores` expert stores (more than one: sharded, see above),
         stop them when the block ends."""
         updates: dict[str, Any] = {"data_dir": data_dir}
+        # every port at once: ports taken one at a time can repeat (each is free again once its
+        # probe closes), and two services given one port had the worker ask the router for Info
+        ports = iter(free_ports(2 * len(SERVICES) + (2 * stores if stores > 1 else 0)))
         for name in SERVICES:
             ep = getattr(settings, name)
-            port = free_port()
+            port = next(ports)
             updates[name] = ep.model_copy(update={"bind": f"127.0.0.1:{port}", "address": f"127.0.0.1:{port}",
-                                                  "metrics_port": free_port()})
+                                                  "metrics_port": next(ports)})
         if stores > 1:
             updates["inference"] = settings.inference.model_copy(update={"expert_placement": "router"})
         settings = settings.model_copy(update=updates)
@@ -164,7 +160,7 @@ class LocalCluster:
         try:
             specs: list[ServiceSpec] = [s for s in service_specs(settings, model, config) if s.name in SERVICES]
             if stores > 1:
-                specs = cls._store_specs(specs, settings, model, data_dir, stores, store_metrics)
+                specs = cls._store_specs(specs, settings, model, data_dir, stores, store_metrics, ports)
             for spec in specs:
                 procs[spec.name] = sup.start(spec)
             for spec in specs:
@@ -177,14 +173,14 @@ class LocalCluster:
 
     @staticmethod
     def _store_specs(specs: list[ServiceSpec], settings: Settings, model: Path, data_dir: Path, n: int,
-                     store_metrics: dict[str, int]) -> list[ServiceSpec]:
+                     store_metrics: dict[str, int], ports: Iterator[int]) -> list[ServiceSpec]:
         """The one store's spec replaced by `n`, each on its own shard directory, port and id."""
         (store,) = [s for s in specs if s.name == "expert_store"]
         base = settings.expert_store.id
         store_metrics.clear()
         out = [s for s in specs if s.name != "expert_store"]
         for i, shard in enumerate(shard_dirs(model, data_dir / "shards", n)):
-            port, metrics = free_port(), free_port()
+            port, metrics = next(ports), next(ports)
             address = f"127.0.0.1:{port}"
             env = {**store.env, "MOETIER_MODEL__PATH": str(shard), "MOETIER_EXPERT_STORE__BIND": address,
                    "MOETIER_EXPERT_STORE__ADDRESS": address, "MOETIER_EXPERT_STORE__METRICS_PORT": str(metrics),
