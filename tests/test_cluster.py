@@ -4,9 +4,7 @@ router's absence and restart, re-register when forgotten, stop cleanly."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -15,16 +13,11 @@ import pytest
 from test_router import router_settings
 
 from moetier.cluster import MemberAgent
+from moetier.launch import free_ports
 from moetier.rpc.v1 import dense_worker_pb2, router_pb2, router_pb2_grpc
 from services.router.server import RouterServer, create_server
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def start_router(port: int = 0, **settings: object) -> tuple[RouterServer, int]:
@@ -89,7 +82,7 @@ async def test_registers_and_reports_load(agents: list[MemberAgent]) -> None:
 
 
 async def test_survives_router_absence_and_reregisters_after_restart(agents: list[MemberAgent]) -> None:
-    port = free_port()
+    (port,) = free_ports(1)
     a = agent(port, agents)
     await asyncio.sleep(0.3)  # nothing listens yet: the agent retries, never crashes
     assert not a.registered.is_set() and a._task is not None and not a._task.done()

@@ -13,14 +13,15 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_cluster import free_port
+
+from moetier.launch import free_ports
 
 pytestmark = pytest.mark.timeout(30)
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_router_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)  # at once: distinct
     cfg = tmp_path / "c.yaml"
     cfg.write_text("queue_capacity: 3\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOETIER_")}

@@ -90,7 +90,7 @@ def _peer_run(argv: list[str], log: Path, what: str) -> None:
 
 
 # bytes of a GGUF per byte of the bf16 one: Q4_0 is 18 bytes per 32 weights, Q8_0 34 per 32
-GGUF_SHARE = {"bf16": 1.0, "Q4_0": 18 / 64, "Q8_0": 34 / 64}
+GGUF_SHARE = {"Q4_0": 18 / 64, "Q8_0": 34 / 64}
 
 
 def _room(where: Path, need: int, what: str) -> None:
@@ -130,7 +130,7 @@ def gguf(data_dir: Path, hf: Path, peer: Peer, p: Precision, keep_bf16: bool = F
                                              str(tmp), "--outtype", "bf16"), log, "convert_hf_to_gguf.py", bf16_bytes)
     say(f"quantizing to {p.gguf_type} with llama.cpp's quantizer: {out}")
     _write(out, lambda tmp: peer.script("gguf_quantize.py", str(bf16), str(tmp), p.gguf_type), log,
-           "llama_model_quantize", int(bf16_bytes * GGUF_SHARE.get(p.gguf_type, 1.0)))
+           "llama_model_quantize", int(bf16_bytes * GGUF_SHARE[p.gguf_type]))
     return out
 
 
