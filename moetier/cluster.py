@@ -24,6 +24,7 @@ from typing import Literal
 
 import grpc
 
+from moetier.rpc.channels import RECONNECT_OPTIONS
 from moetier.rpc.v1 import dense_worker_pb2, router_pb2, router_pb2_grpc
 from moetier.settings import Settings
 
@@ -92,7 +93,7 @@ class MemberAgent:
         """Best effort, one short call: a router that does not answer expires the member instead."""
         self.registered.clear()
         try:
-            async with grpc.aio.insecure_channel(self.router_address) as channel:
+            async with grpc.aio.insecure_channel(self.router_address, options=RECONNECT_OPTIONS) as channel:
                 await router_pb2_grpc.RouterStub(channel).Heartbeat(
                     router_pb2.HeartbeatRequest(member_id=self.member_id, draining=True),
                     timeout=min(self._rpc_timeout_s, 1.0))
@@ -103,7 +104,7 @@ class MemberAgent:
 
     async def run(self) -> None:
         """Register, heartbeat, re-register, retry: until cancelled."""
-        async with grpc.aio.insecure_channel(self.router_address) as channel:
+        async with grpc.aio.insecure_channel(self.router_address, options=RECONNECT_OPTIONS) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             delay = self._backoff_s[0]
             failing = False

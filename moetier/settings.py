@@ -196,6 +196,8 @@ class GatewaySection(_Section):
     default_max_tokens: int | None = Field(None, ge=1, description="Completion tokens of a request that sets "
                                            "none (chat max_tokens, Responses max_output_tokens); default: the rest "
                                            "of the context (for a model that never stops, as the random demo model).")
+    default_temperature: float = Field(1.0, ge=0.0, le=2.0, description="Temperature of a request that sets "
+                                       "none (the APIs' own default is 1.0); 0 = greedy.")
     tool_parser: str | None = Field(None, description="Tool-call format of the model (qwen3, glm45, deepseek_v3, "
                                     "kimi_k2, mistral); default: chosen from its chat template and architecture.")
 

@@ -11,7 +11,7 @@ The CLIs come from npm (.ci/run installs them); where they are missing the tests
 By default their requests carry 16k (Codex) and 20k (Claude Code) tokens of instructions
 and tools, which the demo model's 65536 positions hold; prefilled on two busy cores that
 is many minutes per request, so here each CLI is given a short system prompt (Codex
-`model_instructions_file` and fewer features, Claude Code `--system-prompt` and no built-in
+`model_instructions_file`, no skills and fewer tools, Claude Code `--system-prompt` and no built-in
 tools): the wire protocol, the streams and the exit are the same. The random demo model never
 ends an answer by itself, so the cluster caps answers that set no length
 (`gateway.default_max_tokens`) and Claude Code asks for a short one
@@ -43,8 +43,11 @@ pytestmark = [pytest.mark.timeout(2400), pytest.mark.slow]
 MODEL = "demo"
 CLI_TIMEOUT_S = 1800  # a Codex request is ~3.7k prompt tokens: minutes of prefill on two busy cores
 MAX_TOKENS = 112  # answers of the constrained tests (the schemas are fitted to it)
-ANSWER_TOKENS = 512  # the CLIs' answers: the trained demo ends its own within a few dozen tokens; Codex samples
-# (temperature 1) after a tool-laden prompt, where the toy sometimes runs on for 100+ tokens first
+ANSWER_TOKENS = 512  # the CLIs' answers: the trained demo ends its own within a few dozen tokens
+# Codex sets no temperature: at the APIs' 1.0 the toy, after a prompt of skills and tool schemas, sometimes
+# ran on past any length (a CI run saw two 512-token answers of JSON-like noise). Here Codex sends no skills
+# and one tool, and the cluster answers a request without a temperature greedily
+# (gateway.default_temperature), so what Codex gets does not depend on the draw.
 # The Messages API's temperature; the anthropic SDK's create() no longer takes it by name (2.x).
 GREEDY = {"temperature": 0}
 
@@ -52,7 +55,8 @@ GREEDY = {"temperature": 0}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     config, ports = write_config(tmp_path_factory.mktemp("agents"), {
-        "gateway": {"default_max_tokens": ANSWER_TOKENS}, "inference": {"prefill_chunk": 512}})
+        "gateway": {"default_max_tokens": ANSWER_TOKENS, "default_temperature": 0.0},
+        "inference": {"prefill_chunk": 512}})
     with moetier_up(config, ports) as up:
         up.wait_up(600)
         yield up
@@ -86,6 +90,15 @@ model_instructions_file = "{tmp_path / 'instructions.md'}"
 [features]
 multi_agent = false
 goals = false
+shell_tool = false
+unified_exec = false
+view_image = false
+
+[skills]
+include_instructions = false
+
+[skills.bundled]
+enabled = false
 
 [model_providers.moetier]
 name = "moetier"

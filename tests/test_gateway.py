@@ -97,6 +97,20 @@ async def test_sampling_params_from_the_request(gw: InProcess) -> None:
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+async def test_default_temperature_applies_where_a_request_sets_none(model: ServedModel) -> None:
+    """gateway.default_temperature (here greedy) is the temperature of a request of any API that
+    sets none; one that sets it keeps its own."""
+    bodies = [("/v1/chat/completions", CHAT), ("/v1/completions", {"model": MODEL, "prompt": "Once upon"}),
+              ("/v1/responses", {"model": MODEL, "input": "Hi"}),
+              ("/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]})]
+    async with in_process(model, default_temperature=0.0) as g:
+        for path, body in bodies:
+            for extra, want in (({}, 0.0), ({"temperature": 0.7}, 0.7)):
+                r = await g.client.post(path, json={**body, **extra})
+                assert r.status_code == 200, (path, r.text)
+                assert g.fake.requests[-1].sampling.temperature == pytest.approx(want), (path, extra)
+
+
 async def test_chat_stream_format_with_usage(gw: InProcess) -> None:
     r = await gw.client.post("/v1/chat/completions",
                              json={**CHAT, "stream": True, "stream_options": {"include_usage": True}})

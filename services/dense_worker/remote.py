@@ -51,6 +51,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import InvalidArgument, MoetierError, Unavailable
+from moetier.rpc.channels import RECONNECT_OPTIONS
 from moetier.rpc.errors import from_rpc_error
 from moetier.rpc.local import LocalClient
 from moetier.rpc.tensors import from_pb, to_pb
@@ -67,10 +68,7 @@ MAX_MESSAGE_BYTES = 1 << 30  # a prefill chunk of a wide model is tens of MB of 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    # a restarted store is found within a second, not after gRPC's default backoff (up to 120 s)
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    *RECONNECT_OPTIONS,  # a restarted store is found within a second
 ]
 
 

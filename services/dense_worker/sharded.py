@@ -38,6 +38,7 @@ import numpy.typing as npt
 from moetier.errors import MoetierError, NotFound, RowsUnavailable, Unavailable
 from moetier.model.ops import combine_slots
 from moetier.placement import ExpertRange, PlacementMap, StoreEntry
+from moetier.rpc.channels import RECONNECT_OPTIONS
 from moetier.rpc.errors import from_rpc_error
 from moetier.rpc.v1 import router_pb2, router_pb2_grpc
 from services.dense_worker.remote import RemoteExperts, RemoteStats, _Call, _LaneCall
@@ -56,7 +57,7 @@ class PlacementClient:
         self.router_address = router_address
         self.timeout_s, self.refresh_s = timeout_s, refresh_s
         self.map = PlacementMap([], 0)
-        self._channel = grpc.insecure_channel(router_address)
+        self._channel = grpc.insecure_channel(router_address, options=RECONNECT_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
         self._lock = threading.Lock()
         self._stop = threading.Event()

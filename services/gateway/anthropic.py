@@ -194,7 +194,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
 
     def options(self) -> Options:
-        return Options(max_tokens=self.max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+        return Options(max_tokens=self.max_tokens, temperature=self.temperature,
                        top_p=self.top_p or 1.0, top_k=self.top_k or 0, stops=list(self.stop_sequences or []))
 
 

@@ -88,7 +88,8 @@ class Gateway:
         tok = self.model.tokenizer
         return Generation(router=self.router_or_fail(), tokenizer=tok, metrics=self.metrics, request_id=request_id,
                           prompt_ids=prompt_ids,
-                          sampling=body.to_sampling_params(max_tokens=max_tokens, stop_token_ids=tok.eos_token_ids),
+                          sampling=body.to_sampling_params(max_tokens=max_tokens, stop_token_ids=tok.eos_token_ids,
+                                                           default_temperature=self.settings.gateway.default_temperature),
                           stops=body.stops, timeout_s=self.settings.gateway.request_timeout_s)
 
 
@@ -119,7 +120,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, gw: Ga
     gw.check_model(body.model)
     request_id = new_id("chatcmpl-")
     opts = Options(max_tokens=body.requested_max_tokens,
-                   temperature=body.temperature if body.temperature is not None else 1.0,
+                   temperature=body.temperature,
                    top_p=body.top_p if body.top_p is not None else 1.0, top_k=body.top_k or 0, seed=body.seed,
                    presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                    stops=body.stops, logprobs=bool(body.logprobs),

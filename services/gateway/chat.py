@@ -50,7 +50,7 @@ class Options:
     """Sampling and length options, whichever API they came from."""
 
     max_tokens: int | None = None  # None: the rest of the context
-    temperature: float = 1.0
+    temperature: float | None = None  # None: gateway.default_temperature
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
@@ -60,9 +60,10 @@ class Options:
     logprobs: bool = False
     top_logprobs: int = 0
 
-    def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...],
-                 grammar: str | None) -> generate_pb2.SamplingParams:
-        p = generate_pb2.SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+    def sampling(self, max_tokens: int, stop_token_ids: tuple[int, ...], grammar: str | None,
+                 default_temperature: float = 1.0) -> generate_pb2.SamplingParams:
+        temperature = default_temperature if self.temperature is None else self.temperature
+        p = generate_pb2.SamplingParams(temperature=temperature, top_p=self.top_p, top_k=self.top_k,
                                         presence_penalty=self.presence_penalty,
                                         frequency_penalty=self.frequency_penalty, max_tokens=max_tokens,
                                         stop_token_ids=stop_token_ids, logprobs=self.logprobs,
@@ -106,7 +107,8 @@ class ChatRun:
         grammar = await asyncio.to_thread(_grammar, gw, conv, fmt, max_tokens)
         parse = fmt if conv.parses_tools else None
         gen = Generation(router=gw.router_or_fail(), tokenizer=tok, metrics=gw.metrics, request_id=request_id,
-                         prompt_ids=prompt_ids, sampling=opts.sampling(max_tokens, tok.eos_token_ids, grammar),
+                         prompt_ids=prompt_ids, sampling=opts.sampling(max_tokens, tok.eos_token_ids, grammar,
+                                                                gw.settings.gateway.default_temperature),
                          stops=opts.stops, timeout_s=gw.settings.gateway.request_timeout_s,
                          skip_special_tokens=parse is None)
         return cls(gen, parse, conv, call_id_prefix)

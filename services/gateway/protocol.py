@@ -171,9 +171,9 @@ def _stop_list(stop: list[str] | str | None) -> list[str]:
 
 
 def _sampling(r: ChatCompletionRequest | CompletionRequest, *, max_tokens: int, stop_token_ids: tuple[int, ...],
-              logprobs: bool, top_logprobs: int) -> generate_pb2.SamplingParams:
+              logprobs: bool, top_logprobs: int, default_temperature: float) -> generate_pb2.SamplingParams:
     p = generate_pb2.SamplingParams(
-        temperature=r.temperature if r.temperature is not None else 1.0,
+        temperature=r.temperature if r.temperature is not None else default_temperature,
         top_p=r.top_p if r.top_p is not None else 1.0,
         top_k=r.top_k or 0,
         presence_penalty=r.presence_penalty or 0.0,
@@ -226,7 +226,8 @@ class ChatCompletionRequest(_Common):
     stop: Stop = Field(None, description="Up to 4 strings; the text stops before the first one.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy; default: "
+                                      "gateway.default_temperature (1.0).")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="Needs logprobs=true.")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=U32, description="Extension: keep the k most likely tokens (0 = off).")
@@ -276,8 +277,10 @@ class ChatCompletionRequest(_Common):
     def stops(self) -> list[str]:
         return _stop_list(self.stop)
 
-    def to_sampling_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...]) -> generate_pb2.SamplingParams:
-        return _sampling(self, max_tokens=max_tokens, stop_token_ids=stop_token_ids, logprobs=bool(self.logprobs),
+    def to_sampling_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...],
+                           default_temperature: float = 1.0) -> generate_pb2.SamplingParams:
+        return _sampling(self, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                         default_temperature=default_temperature, logprobs=bool(self.logprobs),
                          top_logprobs=(self.top_logprobs or 0) if self.logprobs else 0)
 
 
@@ -298,7 +301,7 @@ class CompletionRequest(_Common):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     suffix: str | None = Field(None, description="Not supported: must be empty.")
-    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="Default: gateway.default_temperature (1.0).")
     top_p: float | None = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=U32, description="Extension: keep the k most likely tokens (0 = off).")
     user: str | None = None
@@ -336,8 +339,10 @@ class CompletionRequest(_Common):
     def stops(self) -> list[str]:
         return _stop_list(self.stop)
 
-    def to_sampling_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...]) -> generate_pb2.SamplingParams:
+    def to_sampling_params(self, *, max_tokens: int, stop_token_ids: tuple[int, ...],
+                           default_temperature: float = 1.0) -> generate_pb2.SamplingParams:
         return _sampling(self, max_tokens=max_tokens, stop_token_ids=stop_token_ids,
+                         default_temperature=default_temperature,
                          logprobs=self.logprobs is not None, top_logprobs=self.logprobs or 0)
 
 

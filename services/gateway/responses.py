@@ -210,7 +210,7 @@ class ResponsesRequest(_Wire):
 
     def options(self) -> Options:
         return Options(max_tokens=self.max_output_tokens,
-                       temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p or 1.0)
+                       temperature=self.temperature, top_p=self.top_p or 1.0)
 
 
 class ResponseBody(BaseModel):

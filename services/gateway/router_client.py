@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from moetier.errors import Unavailable
+from moetier.rpc.channels import RECONNECT_OPTIONS
 from moetier.rpc.errors import from_rpc_error
 from moetier.rpc.v1 import generate_pb2, router_pb2, router_pb2_grpc
 
@@ -68,7 +69,7 @@ class Cluster:
 class RouterClient:
     def __init__(self, address: str) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     async def close(self) -> None:

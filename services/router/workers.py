@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator
 import grpc
 
 from moetier.errors import Unavailable
+from moetier.rpc.channels import RECONNECT_OPTIONS
 from moetier.rpc.errors import answered, from_rpc_error
 from moetier.rpc.v1 import dense_worker_pb2_grpc, generate_pb2
 from services.router.registry import LeaveReason, Member, Registry
@@ -46,7 +47,7 @@ class WorkerClients:
         entry = self._channels.get(member.member_id)
         if entry is None or entry[0] != member.info.address:
             self._drop(member.member_id)
-            entry = (member.info.address, grpc.aio.insecure_channel(member.info.address))
+            entry = (member.info.address, grpc.aio.insecure_channel(member.info.address, options=RECONNECT_OPTIONS))
             self._channels[member.member_id] = entry
         return dense_worker_pb2_grpc.DenseWorkerStub(entry[1])
 
