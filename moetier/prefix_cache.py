@@ -183,7 +183,7 @@ class PrefixStats:
 
 class PrefixCache:
     def __init__(self, args: ModelArgs, model_id: str, identity: str, directory: Path | None,
-                 budget_bytes: int, *, block: int = BLOCK) -> None:
+                 budget_bytes: int, *, memory_bytes: int | None = None, block: int = BLOCK) -> None:
         if block != BLOCK:
             raise ValueError(f"prefix cache blocks are {BLOCK} tokens (moetier.prefix.BLOCK), not {block}")
         self.args = args
@@ -191,6 +191,10 @@ class PrefixCache:
         self.identity = identity
         self.directory = directory
         self.budget = int(budget_bytes)
+        # entries held in memory: at most memory_bytes of them where they also have files (the
+        # others are read back from their files), all of them without a directory
+        self.memory_budget = self.budget if memory_bytes is None or directory is None else min(
+            int(memory_bytes), self.budget)
         self.layout = {k: list(v) for k, v in cache_layout(args).items()}
         # arrays only some layers keep (the DSA indexer keys): {layer: {name: shape}}
         self.extra = {str(i): {k: list(v) for k, v in lay.items()} for i, lay in cache_extra(args).items()}
@@ -408,15 +412,17 @@ class PrefixCache:
     def _trim_memory(self) -> None:
         held = sum(e.nbytes for e in self._entries.values() if e.arrays is not None)
         for e in list(self._entries.values()):
-            if held <= self.budget:
+            if held <= self.memory_budget:
                 break
             if e.arrays is None:
                 continue
-            held -= e.nbytes
             if e.on_disk:
                 e.arrays = None  # still answered from its file
+            elif e.writing is not None and not e.writing.done():
+                continue  # its file is being written: it leaves memory once written (_write)
             else:
                 self._drop(e, "evicted")
+            held -= e.nbytes
 
     def _trim_disk(self) -> None:
         def stored(e: _Entry) -> bool:
@@ -490,6 +496,7 @@ class PrefixCache:
                 os.replace(tmp, final)
                 entry.on_disk = True
                 self._stats.files_written += 1
+                self._trim_memory()
             fd = os.open(self.directory, os.O_RDONLY)
             try:
                 os.fsync(fd)

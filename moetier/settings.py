@@ -123,6 +123,9 @@ class InferenceSection(_Section):
                                "prefilled in chunks between decode steps.")
     kv_dtype: Literal["float32"] = Field("float32", description="KV cache dtype (float32 only: exact).")
     prefix_cache_bytes: str = Field("1GiB", description="Disk budget of the persisted prefix cache.")
+    prefix_cache_memory_bytes: str = Field("256MiB", description="Memory budget of the prefix cache (at most "
+                                           "prefix_cache_bytes): entries beyond it are read back from their "
+                                           "files. It counts against the machine's memory beside the expert cache.")
     prefix_cache_dir: Path | None = Field(None, description="Prefix cache directory; default "
                                           "data_dir/prefix-cache/<model id>.")
     expert_timeout_s: float = Field(30.0, gt=0, description="Deadline of each ComputeExperts call.")

@@ -167,6 +167,40 @@ def test_files_survive_a_restart_bit_for_bit(args: ModelArgs, tmp_path: Path) ->
     b.close()
 
 
+def test_memory_budget_holds_in_memory_what_fits_and_reads_the_rest_from_files(args: ModelArgs,
+                                                                               tmp_path: Path) -> None:
+    """inference.prefix_cache_memory_bytes: with files, at most that many bytes of entries stay in
+    memory (an entry larger than it too, until its file is written); every entry is still answered,
+    bit for bit, the others from their files. Without a directory the memory is the whole budget."""
+    seqs = [ids_of(40, 10 + i) for i in range(3)]
+    kvs = [kv_of(args, ids, seed=i) for i, ids in enumerate(seqs)]
+    one = kvs[0].nbytes + 4 * 40
+    cache = PrefixCache(args, MID, IDENTITY, tmp_path, 1 << 30, memory_bytes=one + one // 2)
+    for kv in kvs:
+        assert cache.insert(kv) == 40
+    cache.flush()
+    s = cache.stats()
+    assert s.entries == 3 and s.memory_bytes == one and s.disk_bytes == 3 * one  # the newest in memory
+    for kv, ids in reversed(list(zip(kvs, seqs, strict=True))):  # the newest first: from memory
+        got, n = cache.lookup([*ids, 1])
+        assert n == 40 and got is not None
+        same_prefix(kv, got, 40)
+    assert cache.stats().by_source == {"memory": 40, "disk": 80} and cache.stats().memory_bytes == one
+    small = PrefixCache(args, MID, IDENTITY, tmp_path / "small", 1 << 30, memory_bytes=one // 2)
+    small.insert(kvs[0])
+    small.flush()
+    assert small.stats().memory_bytes == 0 and small.stats().disk_bytes == one  # larger than memory: a file
+    got, n = small.lookup([*seqs[0], 1])
+    assert n == 40 and got is not None
+    same_prefix(kvs[0], got, 40)
+    small.close()
+    cache.close()
+    mem = PrefixCache(args, MID, IDENTITY, None, 3 * one, memory_bytes=one)
+    for kv in kvs:
+        mem.insert(kv)
+    assert mem.stats().entries == 3 and mem.stats().memory_bytes == 3 * one  # memory is the only tier
+
+
 def file_name(ids: list[int]) -> str:
     return f"{entry_key(np.asarray(ids), block_hashes(ids, BLOCK, MID), MID):016x}.kv"
 

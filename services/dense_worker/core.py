@@ -99,7 +99,8 @@ class WorkerCore:
                                          has_mtp=mtp is not None)
             self.prefix = PrefixCache(args, self.model_id,
                                       kv_identity(self.container.files, self.model_id, args),
-                                      prefix_dir(settings, self.model_id), parse_bytes(inf.prefix_cache_bytes))
+                                      prefix_dir(settings, self.model_id), parse_bytes(inf.prefix_cache_bytes),
+                                      memory_bytes=parse_bytes(inf.prefix_cache_memory_bytes))
         except BaseException:
             self.container.close()
             raise
