@@ -505,6 +505,9 @@ class PrefixCache:
         except OSError as e:
             with self._lock:
                 self._stats.write_errors += 1
+                entry.writing = None  # no file: held in memory within its budget, or dropped
+                if self._entries.get(entry.key) is entry:
+                    self._trim_memory()
             log.warning("prefix cache: writing %s failed: %s", final, e)
             tmp.unlink(missing_ok=True)
 

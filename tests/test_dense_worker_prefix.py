@@ -4,6 +4,7 @@ restart bit for bit, atomic writes, the byte budget, and files that must not be 
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -195,6 +196,12 @@ def test_memory_budget_holds_in_memory_what_fits_and_reads_the_rest_from_files(a
     same_prefix(kvs[0], got, 40)
     small.close()
     cache.close()
+    gone = PrefixCache(args, MID, IDENTITY, tmp_path / "gone", 1 << 30, memory_bytes=one // 2)
+    shutil.rmtree(tmp_path / "gone")  # its file cannot be written: the entry leaves memory all the same
+    gone.insert(kvs[0])
+    gone.flush()
+    assert gone.stats().write_errors == 1 and gone.stats().memory_bytes == 0 and gone.stats().entries == 0
+    gone.close()
     mem = PrefixCache(args, MID, IDENTITY, None, 3 * one, memory_bytes=one)
     for kv in kvs:
         mem.insert(kv)
