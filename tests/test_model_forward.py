@@ -171,6 +171,30 @@ def test_cache_width_and_bytes(checkpoints: dict[str, Checkpoint]) -> None:
     assert c.nbytes == 4 * 5 * a.kv_floats_per_token == sum(v.nbytes for k, v in arrays.items() if k != "tokens")
 
 
+def test_kv_capacity_grows_by_a_quarter_and_keeps_every_position(checkpoints: dict[str, Checkpoint]) -> None:
+    """reserve grows the arrays by a quarter (at least what is needed, whole 16-position blocks),
+    not to double: a sequence one position past its capacity holds about 1.25x, not 2x; what was
+    committed before a growth is kept bit for bit."""
+    args = model_of(checkpoints["mixtral"]).args
+    c = KVCache.for_model(args)
+    rng = np.random.default_rng(5)
+    caps, written = [], []
+    for n in (256, 256, 256, 256, 16, 1, 300):
+        start = c.reserve(n)
+        for i in range(args.num_layers):
+            for name, shape in c.layer_layout(i).items():
+                v = rng.standard_normal((n, *shape), dtype=np.float32)
+                c.put(i, name, start, v)
+                if i == 0 and name == "k":
+                    written.append(v)
+        c.commit(list(range(start, start + n)))
+        caps.append(c.capacity)
+    assert caps == [256, 512, 768, 1024, 1280, 1280, 1600], caps
+    assert c.capacity_bytes == 4 * 1600 * args.num_layers * c.width
+    np.testing.assert_array_equal(c.to_arrays()["layers.0.k"], np.concatenate(written))
+    assert list(c.tokens) == list(range(c.length))
+
+
 def test_prefetch_hints_are_measured_and_change_nothing(checkpoints: dict[str, Checkpoint]) -> None:
     on = model_of(checkpoints["deepseek_v3"])
     off = model_of(checkpoints["deepseek_v3"], predict_experts=False)

@@ -50,6 +50,14 @@ MIN_CAPACITY = 16
 ROLLBACK = 16  # positions a sliding-window layer keeps beyond its window (speculative rollback)
 
 
+def _grown(have: int, need: int) -> int:
+    """The capacity that replaces `have` positions when `need` do not fit: a quarter more (at
+    least `need`), in whole MIN_CAPACITY blocks. Doubling kept up to twice what a sequence uses
+    (a 1025-position sequence held 2048 positions); a quarter keeps the copies amortised."""
+    want = max(need, have + have // 4, MIN_CAPACITY)
+    return -(-want // MIN_CAPACITY) * MIN_CAPACITY
+
+
 def cache_layout(args: ModelArgs) -> Layout:
     """The arrays every layer keeps (none in a hybrid model: its full layers' k/v are `cache_extra`)."""
     if any(args.linear_layers):
@@ -211,14 +219,14 @@ class KVCache:
         for i, layer in enumerate(self._arrays):
             rows, have = self._rows(i), self._capacity(i)
             if have is not None and rows + n > have:
-                cap = max(rows + n, 2 * have, MIN_CAPACITY)
+                cap = _grown(have, rows + n)
                 for name, a in layer.items():
                     grown = np.zeros((cap, *a.shape[1:]), dtype=np.float32)
                     grown[:rows] = a[:rows]
                     layer[name] = grown
         need = self.length + n
         if need > self.capacity:
-            tokens = np.zeros(max(need, 2 * self.capacity, MIN_CAPACITY), dtype=np.int32)
+            tokens = np.zeros(_grown(self.capacity, need), dtype=np.int32)
             tokens[: self.length] = self._tokens[: self.length]
             self._tokens = tokens
         return self.length
