@@ -150,6 +150,8 @@ def test_expert_map_on_a_live_cluster(tmp_path: Path) -> None:
                            and s["hit"] != "–" and s["ttft"] != "–" and s, 30, "tokens/s, TTFT and hit rate shown")
         size = page.screenshot(SCREENSHOT)
         assert size > 20_000, f"screenshot of {size} bytes: is the page blank?"
+        # the figures come from tokens of requests under way: wait for one to be answered
+        eventually(lambda: load.ok > 0 or load.errors, 60, "a traffic request answered")
         assert load.ok > 0 and not load.errors, load.errors[:3]
         elapsed = time.monotonic() - started
     print(f"\nexpert map: {layers} x {experts} cells, step {m['step']} -> {later['map']['step']}, "

@@ -259,15 +259,18 @@ async def test_sharded_stores_give_one_stores_bits_survive_a_death_and_take_a_st
                 sharded._down["a"] = (time.monotonic() + 60, sharded._stores["a"].address)
                 got = await asyncio.to_thread(sharded.moe, 1, *batches[3])
                 assert got.tobytes() == want[(1, 3)].tobytes()
-                sharded._down.clear()
+                assert "a" not in sharded._down  # it answered: no longer put aside
 
-                # c dies without a word (no drain: still in the map until it expires): a and b own
-                # all it had, and the steps that find it gone are computed again there
+                # a put aside again (as after it restarted), then c dies without a word (no drain:
+                # still in the map until it expires): a and b own all c had, and the steps that
+                # find c gone are computed again there -- a included, tried again though put aside
+                sharded._down["a"] = (time.monotonic() + 60, sharded._stores["a"].address)
                 failed = sharded.stats.failed_calls
                 stores["c_server"].agent._drain_on_stop = False
                 await stores.pop("c").__aexit__(None, None, None)
                 await all_equal()
                 assert sharded.stats.failed_calls > failed
+                assert "a" not in sharded._down and "c" in sharded._down
 
                 # c comes back, then a dies: layer 1's experts 0-3 have an owner (c), 4-7 none. The
                 # rows needing 4-7 are named (the worker fails only their requests); a batch that

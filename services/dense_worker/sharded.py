@@ -13,8 +13,11 @@ the one store computing that expert, so the output is bit for bit one store's.
 
 A store that fails a call (down, restarting, deadline, or no longer holding an expert) is put
 aside for `down_s` and the layer is computed again without it, from the experts' other owners,
-until the call's deadline (`timeout_s` from the layer's start). Experts with no live owner
-fail the step at once with Unavailable naming the layer and the experts. The map is polled
+until the call's deadline (`timeout_s` from the layer's start). Experts owned only by stores put
+aside by earlier calls are tried on them once more (a store may have restarted since), so only
+the stores that failed this layer's call stay out of it; a store that answers is no longer put
+aside. Experts with no live owner fail the step at once with Unavailable naming the layer and
+the experts. The map is polled
 from the router (`Router.Placement`) every `refresh_s` by a thread of its own, and fetched
 again when a layer finds an expert without a live owner, so a store that joins or comes back
 takes its share within a poll. The error names the rows that need the missing experts
@@ -105,16 +108,18 @@ class _ShardedCall:
 
     def __init__(self, owner: ShardedExperts, layer: int, x: F32, ids: I32, weights: F32, deadline: float,
                  parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall]],
-                 last_resort: bool = False) -> None:
+                 failed_here: frozenset[str] = frozenset()) -> None:
         self.owner, self.layer, self.x, self.ids, self.weights = owner, layer, x, ids, weights
-        self.deadline, self.parts, self.last_resort = deadline, parts, last_resort
+        self.deadline, self.parts, self.failed_here = deadline, parts, failed_here
 
     def result(self) -> F32:
         failed: str | None = None
         try:
             if len(self.parts) == 1 and self.parts[0][1] is None:
                 failed = self.parts[0][0]
-                return self.parts[0][2].result()  # one store: its combined rows, as a single store's
+                out = self.parts[0][2].result()  # one store: its combined rows, as a single store's
+                self.owner._answered(failed)
+                return out
             t, k = self.ids.shape
             slots = np.zeros((t, k, self.x.shape[1]), dtype=np.float32)  # [T, K, D]
             for n, (store, mask, call) in enumerate(self.parts):
@@ -122,6 +127,7 @@ class _ShardedCall:
                 out = call.result()  # [N_store, D], the store's slots in row-major (t, k) order
                 assert mask is not None
                 slots[mask] = out
+                self.owner._answered(store)
                 if n == len(self.parts) - 1:
                     failed = None
             return combine_slots(slots, self.weights)  # the k-ordered sum one store ends in
@@ -169,21 +175,24 @@ class ShardedExperts:
         return self._start(layer, x, ids, weights, time.monotonic() + self.timeout_s)
 
     def _start(self, layer: int, x: F32, ids: I32, weights: F32, deadline: float,
-               last_resort: bool = False) -> _ShardedCall:
+               failed_here: frozenset[str] = frozenset()) -> _ShardedCall:
+        """The layer sent to its experts' owners; `failed_here`: the stores that failed this
+        layer's call already (left out of it, where stores put aside earlier are tried again)."""
         pmap = self._current()
         union = np.unique(ids)
         assign, missing = pmap.assign(layer, union.tolist(), self._down_now())
         if missing:  # a store may have joined since the last poll
             pmap = self._current(refresh=True)
             assign, missing = pmap.assign(layer, union.tolist(), self._down_now())
-        if missing and not last_resort and self._down_now():
-            # only stores put aside own these: try them once more before failing the rows (a store
-            # put aside after one failed call may serve again, e.g. restarted since)
-            again, still = pmap.assign(layer, union.tolist(), frozenset())
+        if missing and self._down_now() - failed_here:
+            # only stores put aside own these: try those put aside by earlier calls once more before
+            # failing the rows (a store put aside after one failed call may serve again, e.g.
+            # restarted since); those that failed this layer's call stay out
+            again, still = pmap.assign(layer, union.tolist(), failed_here)
             if len(still) < len(missing):
                 log.info("layer %d: experts %s are owned only by stores put aside (%s); trying them again",
-                         layer, missing[:8], ", ".join(sorted(self._down_now())))
-                assign, missing, last_resort = again, still, True
+                         layer, missing[:8], ", ".join(sorted(self._down_now() - failed_here)))
+                assign, missing = again, still
         if missing:  # the rows needing these fail; the caller may step the others again
             rows = np.flatnonzero(np.isin(ids, np.asarray(missing, dtype=ids.dtype)).any(axis=1))
             raise RowsUnavailable(self._no_owner(pmap, layer, missing), frozenset(rows.tolist()))
@@ -206,15 +215,15 @@ class ShardedExperts:
             for _, _, call in parts:
                 call.abandon()
             failed = pmap.stores[sorted(assign)[len(parts)]].member_id
-            return _Retry(self._retry_start(layer, x, ids, weights, deadline, failed, e, last_resort))
-        return _ShardedCall(self, layer, x, ids, weights, deadline, parts, last_resort)
+            return _Retry(self._retry_start(layer, x, ids, weights, deadline, failed, e, failed_here))
+        return _ShardedCall(self, layer, x, ids, weights, deadline, parts, failed_here)
 
     def _retry(self, call: _ShardedCall, failed: str, error: MoetierError) -> F32:
         return self._retry_start(call.layer, call.x, call.ids, call.weights, call.deadline, failed, error,
-                                 call.last_resort).result()
+                                 call.failed_here).result()
 
     def _retry_start(self, layer: int, x: F32, ids: I32, weights: F32, deadline: float, failed: str,
-                     error: MoetierError, last_resort: bool = False) -> _ShardedCall:
+                     error: MoetierError, failed_here: frozenset[str] = frozenset()) -> _ShardedCall:
         """The layer again without `failed`, while its deadline lasts."""
         client = self._stores.get(failed)
         self._down[failed] = (time.monotonic() + self.down_s, client.address if client is not None else "")
@@ -223,7 +232,7 @@ class ShardedExperts:
                               f"({self.timeout_s:g} s) is over") from None
         log.warning("layer %d: expert store %s failed (%s); computing its share on the other owners", layer,
                     failed, error)
-        return self._start(layer, x, ids, weights, deadline, last_resort)
+        return self._start(layer, x, ids, weights, deadline, failed_here | {failed})
 
     def _no_owner(self, pmap: PlacementMap, layer: int, missing: list[int]) -> str:
         down = sorted(self._down_now())
@@ -241,6 +250,12 @@ class ShardedExperts:
                 client.prefetch(layer, np.asarray(experts, dtype=np.int32))
 
     # ---- stores --------------------------------------------------------------------
+    def _answered(self, store: str) -> None:
+        """`store` answered a call: it is live, and no longer put aside."""
+        if store in self._down:
+            del self._down[store]
+            log.info("expert store %s answered again; no longer put aside", store)
+
     def _down_now(self) -> frozenset[str]:
         now = time.monotonic()
         for store in [s for s, (until, _) in self._down.items() if until <= now]:
