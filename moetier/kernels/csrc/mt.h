@@ -74,7 +74,7 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 7
+#define MT_KERNELS_VERSION 8
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
@@ -117,7 +117,18 @@ typedef struct {
     const float *bias;
     float *y;
     atomic_int failed; /* a chunk could not allocate its buffer */
+    /* one token of int4 weights, for an ISA with int4_pairs: x's columns reordered per 32
+     * (mt_int4_pairs_order); NULL otherwise */
+    const float *xp;
 } linear_ctx;
+
+/* The column order of linear_ctx.xp: per chunk of 32 columns c, the even columns of
+ * [c, c + 16), its odd ones, then the even and the odd ones of [c + 16, c + 32) -- the
+ * order of the low and the high nibbles of the chunk's 16 bytes. */
+static inline int64_t mt_int4_pairs_src(int64_t j) {
+    const int64_t c = j & ~(int64_t)31, i = j & 31, half = i >> 4, odd = (i >> 3) & 1, k = i & 7;
+    return c + 16 * half + 2 * k + odd;
+}
 
 /* out[j][i] = dot(xr[j], wr[i], n) for j < tb <= TBMAX, i < RB. */
 typedef void (*tile_fn)(int tb, const float *const *xr, const float *const *wr, int64_t n,
@@ -137,6 +148,9 @@ typedef struct mt_isa {
      * returns 0 or -1 (no memory) */
     int (*linear_many)(int nthreads, const float *x, int64_t T, const qmat *w, const float *bias, float *y);
     int64_t many_min;
+    /* 1: its linear_block reads linear_ctx.xp for one token of int4 weights whose columns
+     * and group size are multiples of 32 (mt_linear makes it) */
+    int int4_pairs;
     /* optional: rows [r0, r0 + n) of every token under the int8-activation contract (NULL:
      * the generic one) */
     void (*q8_rows)(const struct q8ctx *k, int64_t r0, int64_t n);

@@ -417,6 +417,66 @@ MT_AVX2 INLINE void fused_1x4(const int dtype, const qmat *w, const int64_t *row
     o[3] = OUT(3);
 }
 
+/* 1 token x 2 rows of int4 weights, columns and groups in multiples of 32 (linear_ctx.xp).
+ * A chunk of 32 columns is one 16-byte load per row: its low nibbles are the even
+ * columns, its high nibbles the odd ones; vpshufb spreads four bytes of each 128-bit half
+ * into the 32-bit lanes. So accumulator e holds contract lanes 0, 2, ..., 14 and
+ * accumulator o lanes 1, 3, ..., 15, each lane's columns still added in increasing order,
+ * and xp holds x in the same order. The value of a weight is the contract's
+ * fma(nibble, scale, -8 * scale), and the lanes are put back in order before the
+ * contract's tree, so every output is bit for bit fused_1x4's. The rows two blocks ahead
+ * are prefetched, a cache line every two chunks. */
+#define PAIRS_AHEAD (2 * RB)
+MT_AVX2 INLINE float hsum16_pairs(__m256 e, __m256 o) {
+    const __m256 a = _mm256_unpacklo_ps(e, o), b = _mm256_unpackhi_ps(e, o); /* 0 1 2 3 | 8 9 10 11, 4..7 | 12..15 */
+    return hsum16(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+#define PAIRS_ROW(n, p, s, m)                                                                              \
+    do {                                                                                                   \
+        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((p) + c / 2)));    \
+        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);    \
+        a##n##l = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, ca)), s, m),   \
+                                  x0, a##n##l);                                                            \
+        a##n##h = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, ca)), s, m),   \
+                                  x1, a##n##h);                                                            \
+        a##n##l = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(lo, cb)), s, m),   \
+                                  x2, a##n##l);                                                            \
+        a##n##h = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(hi, cb)), s, m),   \
+                                  x3, a##n##h);                                                            \
+    } while (0)
+
+/* Two rows: their four accumulators, two scales and two -8 * scales stay in registers with
+ * the constants (four rows spill the accumulators to the stack on every chunk). */
+MT_AVX2 static void pairs_1x2(const qmat *w, int64_t r0, const float *xp, float *o) {
+    const int64_t C = w->cols, g = w->g, rb = w->row_bytes, ng = w->ngroups;
+    const uint8_t *p0 = w->data + r0 * rb, *p1 = p0 + rb;
+    const uint16_t *s = w->scales + r0 * ng;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i ca = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 4, -1, -1, -1, 5,
+                                        -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+    const __m256i cb = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1, 12, -1, -1, -1,
+                                        13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+    const char *ahead = (const char *)(p0 + PAIRS_AHEAD * rb);
+    ACC(0);
+    ACC(1);
+    for (int64_t c0 = 0, gi = 0; c0 < C; c0 += g, gi++) {
+        const float f0 = _cvtsh_ss(s[gi]), f1 = _cvtsh_ss(s[ng + gi]);
+        const __m256 s0 = _mm256_set1_ps(f0), s1 = _mm256_set1_ps(f1);
+        const __m256 m0 = _mm256_set1_ps(-8.0f * f0), m1 = _mm256_set1_ps(-8.0f * f1);
+        for (int64_t c = c0; c < c0 + g; c += 32) {
+            const int64_t k = c / 32; /* one line of the rows ahead per two chunks (past the end: never faults) */
+            _mm_prefetch(ahead + (k & 1) * rb + 64 * (k >> 2), _MM_HINT_T0);
+            const __m256 x0 = _mm256_loadu_ps(xp + c), x1 = _mm256_loadu_ps(xp + c + 8);
+            const __m256 x2 = _mm256_loadu_ps(xp + c + 16), x3 = _mm256_loadu_ps(xp + c + 24);
+            PAIRS_ROW(0, p0, s0, m0);
+            PAIRS_ROW(1, p1, s1, m1);
+        }
+    }
+    o[0] = hsum16_pairs(a0l, a0h);
+    o[1] = hsum16_pairs(a1l, a1h);
+}
+
 /* 2 tokens x 2 rows. */
 MT_AVX2 INLINE void fused_2x2(const int dtype, const qmat *w, int64_t r0, int64_t r1, const float *xa,
                               const float *xb, float *oa, float *ob) {
@@ -545,6 +605,13 @@ static void linear_block_avx2(const linear_ctx *k, int64_t r0, float *buf) {
         const float *wr[RB];
         for (int i = 0; i < nr; i++) wr[i] = row_values_avx2(w, r0 + i, buf + i * k->blen);
         batch_rows(k, r0, nr, wr, buf + RB * k->blen);
+        return;
+    }
+    if (k->xp && nr == RB) { /* one token, int4: the pairs kernel (a last block of fewer rows: below) */
+        float res[RB];
+        pairs_1x2(w, r0, k->xp, res);
+        pairs_1x2(w, r0 + 2, k->xp, res + 2);
+        for (int i = 0; i < RB; i++) k->y[r0 + i] = k->bias ? res[i] + k->bias[r0 + i] : res[i];
         return;
     }
     /* chunks dequantized in registers, for each tile of up to TBMAX tokens */
@@ -997,6 +1064,7 @@ const mt_isa mt_isa_avx2 = {
     .linear_block = linear_block_avx2,
     .linear_many = linear_many_avx2,
     .many_min = MT_AVX2_MANY_MIN,
+    .int4_pairs = 1,
     .q8_rows = q8_rows_avx2,
     .tile = tile_avx2,
     .sum = sum_avx2,
