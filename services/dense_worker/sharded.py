@@ -17,11 +17,11 @@ until the call's deadline (`timeout_s` from the layer's start). Experts owned on
 aside by earlier calls are tried on them once more (a store may have restarted since), so only
 the stores that failed this layer's call stay out of it; a store that answers is no longer put
 aside. Experts with no live owner fail the step at once with Unavailable naming the layer and
-the experts. The map is polled
-from the router (`Router.Placement`) every `refresh_s` by a thread of its own, and fetched
-again when a layer finds an expert without a live owner, so a store that joins or comes back
-takes its share within a poll. The error names the rows that need the missing experts
-(`RowsUnavailable`): the batcher fails only their requests and steps the others again.
+the experts. The map is polled from the router (`Router.Placement`) every `refresh_s` by a
+thread of its own, and fetched again when a layer finds an expert without a live owner, so a
+store that joins or comes back takes its share within a poll. The error names the rows that
+need the missing experts (`RowsUnavailable`): the batcher fails only their requests and steps
+the others again.
 
 Legend: T = rows, D = hidden, K = experts per row.
 """

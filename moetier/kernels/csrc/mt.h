@@ -118,7 +118,7 @@ typedef struct {
     float *y;
     atomic_int failed; /* a chunk could not allocate its buffer */
     /* one token of int4 weights, for an ISA with int4_pairs: x's columns reordered per 32
-     * (mt_int4_pairs_order); NULL otherwise */
+     * (mt_int4_pairs_src); NULL otherwise */
     const float *xp;
 } linear_ctx;
 
