@@ -117,10 +117,13 @@ typedef struct {
     const float *bias;
     float *y;
     atomic_int failed; /* a chunk could not allocate its buffer */
-    /* one token of int4 weights, for an ISA with int4_pairs: x's columns reordered per 32
-     * (mt_int4_pairs_src); NULL otherwise */
+    /* one token of int4 weights, for an ISA with an xp_order: x's columns in that order
+     * (mt_int4_pairs_src, mt_int4_halves_src); NULL otherwise */
     const float *xp;
 } linear_ctx;
+
+/* The orders an ISA's one-token int4 kernel may want x's columns in (mt_isa.xp_order). */
+enum { MT_XP_NONE = 0, MT_XP_PAIRS32 = 1, MT_XP_HALVES16 = 2 };
 
 /* The column order of linear_ctx.xp: per chunk of 32 columns c, the even columns of
  * [c, c + 16), its odd ones, then the even and the odd ones of [c + 16, c + 32) -- the
@@ -128,6 +131,13 @@ typedef struct {
 static inline int64_t mt_int4_pairs_src(int64_t j) {
     const int64_t c = j & ~(int64_t)31, i = j & 31, half = i >> 4, odd = (i >> 3) & 1, k = i & 7;
     return c + 16 * half + 2 * k + odd;
+}
+
+/* The halves order: per chunk of 16 columns c, position 2k holds column c + k and
+ * position 2k + 1 column c + 8 + k (k < 8) -- the 32-bit lanes a chunk's 8 bytes reach
+ * when broadcast to every 64-bit lane and shifted by 4 * (lane / 2). */
+static inline int64_t mt_int4_halves_src(int64_t j) {
+    return (j & ~(int64_t)15) + 8 * (j & 1) + ((j & 15) >> 1);
 }
 
 /* out[j][i] = dot(xr[j], wr[i], n) for j < tb <= TBMAX, i < RB. */
@@ -148,9 +158,10 @@ typedef struct mt_isa {
      * returns 0 or -1 (no memory) */
     int (*linear_many)(int nthreads, const float *x, int64_t T, const qmat *w, const float *bias, float *y);
     int64_t many_min;
-    /* 1: its linear_block reads linear_ctx.xp for one token of int4 weights whose columns
-     * and group size are multiples of 32 (mt_linear makes it) */
-    int int4_pairs;
+    /* MT_XP_PAIRS32: its linear_block reads linear_ctx.xp for one token of int4 weights
+     * whose columns and group size are multiples of 32; MT_XP_HALVES16: the same for
+     * multiples of 16 (mt_linear makes it) */
+    int xp_order;
     /* optional: rows [r0, r0 + n) of every token under the int8-activation contract (NULL:
      * the generic one) */
     void (*q8_rows)(const struct q8ctx *k, int64_t r0, int64_t n);

@@ -84,7 +84,7 @@ int64_t mt_rowbuf_len(const qmat *w) {
 }
 
 /* ---------------------------------------------------------------- linear */
-/* One token of int4 weights on an int4_pairs ISA: chunks four times longer, so a thread's
+/* One token of int4 weights on an ISA with an xp_order: chunks four times longer, so a thread's
  * prefetch two blocks ahead stays in its own chunk for all but the chunk's last blocks
  * (measured: bench compute int4 batch 1 on 2 threads, 5.4-5.7 -> 6.3-6.8 GB/s median). */
 #define PAIRS_CHUNK_MUL 4
@@ -112,9 +112,13 @@ int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const 
     if (T > TBMAX) bpc = bpc * TBMAX / T; /* keep chunks near equal work at large T */
     if (bpc < 1) bpc = 1;
     float *xp = NULL;
-    if (isa->int4_pairs && T == 1 && w->dtype == DT_INT4 && w->cols % 32 == 0 && w->g % 32 == 0) {
+    const int64_t xp_mult = isa->xp_order == MT_XP_PAIRS32 ? 32 : isa->xp_order == MT_XP_HALVES16 ? 16 : 0;
+    if (xp_mult && T == 1 && w->dtype == DT_INT4 && w->cols % xp_mult == 0 && w->g % xp_mult == 0) {
         if (!(xp = mt_scratch(3, (size_t)w->cols))) return -1;
-        for (int64_t j = 0; j < w->cols; j++) xp[j] = x[mt_int4_pairs_src(j)];
+        if (isa->xp_order == MT_XP_PAIRS32)
+            for (int64_t j = 0; j < w->cols; j++) xp[j] = x[mt_int4_pairs_src(j)];
+        else
+            for (int64_t j = 0; j < w->cols; j++) xp[j] = x[mt_int4_halves_src(j)];
         bpc *= PAIRS_CHUNK_MUL;
     }
     linear_ctx k = {isa, x, T, bpc, mt_rowbuf_len(w), w, bias, y, 0, xp};

@@ -120,7 +120,7 @@ MT_AVX512 static void dequant_int4_avx512(const qmat *w, int64_t r, float *buf) 
     const __m128i lo4 = _mm_set1_epi8(0x0F);
     const int64_t bytes_per_group = w->g / 2;
     for (int64_t gi = 0; gi < w->ngroups; gi++) {
-        const __m512 table = _mm512_mul_ps(nib, _mm512_set1_ps(mt_f16(s[gi])));
+        const __m512 table = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(s[gi])));
         const uint8_t *q = row + gi * bytes_per_group;
         float *o = buf + gi * w->g;
         for (int64_t b = 0; b < bytes_per_group; b += 16) {
@@ -157,7 +157,7 @@ MT_AVX512 static void dequant_int8_avx512(const qmat *w, int64_t r, float *buf) 
     const int8_t *row = (const int8_t *)(w->data + r * w->row_bytes);
     const uint16_t *s = w->scales + r * w->ngroups;
     for (int64_t gi = 0; gi < w->ngroups; gi++) {
-        const __m512 sc = _mm512_set1_ps(mt_f16(s[gi]));
+        const __m512 sc = _mm512_set1_ps(_cvtsh_ss(s[gi]));
         for (int64_t c = gi * w->g; c < (gi + 1) * w->g; c += 16) {
             __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + c)));
             _mm512_storeu_ps(buf + c, _mm512_mul_ps(_mm512_cvtepi32_ps(q), sc));
@@ -271,8 +271,8 @@ fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, c
     for (; s0 < cfull; s0 += step, k++) {
         for (int i = 0; i < RB; i++) {
             _mm_prefetch((const char *)rp[i] + k * step_bytes + pfd, _MM_HINT_T0);
-            if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(mt_f16(sp[i][k])));
-            if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(mt_f16(sp[i][k]));
+            if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][k])));
+            if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(_cvtsh_ss(sp[i][k]));
         }
         const int64_t s1 = s0 + step < cfull ? s0 + step : cfull;
         for (int64_t c = s0; c < s1; c += 16) {
@@ -287,8 +287,8 @@ fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, c
     if (cfull < C) { /* the tail chunk, in the group of column cfull */
         const __mmask16 m = (__mmask16)((1u << (C - cfull)) - 1u);
         for (int i = 0; i < RB; i++) {
-            if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(mt_f16(sp[i][cfull / step])));
-            if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(mt_f16(sp[i][cfull / step]));
+            if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][cfull / step])));
+            if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(_cvtsh_ss(sp[i][cfull / step]));
         }
         __m512 wv[RB];
         for (int i = 0; i < RB; i++) wv[i] = chunk_w(dtype, rp[i], cfull, tab[i], ctrl, m, 0);
@@ -323,6 +323,49 @@ static void fused(int tb, const float *const *xr, const qmat *w, const int64_t *
     case DT_INT8: fused_DT_INT8(tb, xr, w, rows, out); break;
     default: fused_DT_INT4(tb, xr, w, rows, out); break;
     }
+}
+
+/* One token of int4 weights, columns and groups in multiples of 16 (linear_ctx.xp, in the
+ * halves order of mt_int4_halves_src). A 16-column chunk of a row is its 8 packed bytes
+ * broadcast to every 64-bit lane: the even 32-bit lanes hold bytes 0-3 (columns 0-7), the
+ * odd ones bytes 4-7 (columns 8-15), so one vpsrlvd by 4 * (lane / 2) brings column k to
+ * lane 2k and column 8 + k to lane 2k + 1, and vpermps (which reads only the low 4 bits of
+ * each index) turns each nibble into (n - 8) * scale through the 16-entry table. No
+ * byte shuffle: one shift and one vpermps per chunk instead of vpmultishiftqb + vpermps.
+ * Register lane 2k accumulates contract lane k and lane 2k + 1 contract lane 8 + k, each
+ * lane's columns in increasing order; the lanes are put back in order before the
+ * contract's tree, so every output is bit for bit fused_tb's. */
+MT_AVX512 static void halves_1x4(const qmat *w, const int64_t *rows, const float *xh, float out[RB]) {
+    const int64_t C = w->cols, g = w->g, rb = w->row_bytes, ng = w->ngroups;
+    const int64_t pfd = MT_PREFETCH_BLOCKS * RB * rb;
+    const uint8_t *rp[RB];
+    const uint16_t *sp[RB];
+    for (int i = 0; i < RB; i++) {
+        rp[i] = w->data + rows[i] * rb;
+        sp[i] = w->scales + rows[i] * ng;
+    }
+    const __m512 nib = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+    __m512 acc[RB];
+    for (int i = 0; i < RB; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c0 = 0, gi = 0; c0 < C; c0 += g, gi++) {
+        __m512 tab[RB];
+        for (int i = 0; i < RB; i++) {
+            _mm_prefetch((const char *)rp[i] + c0 / 2 + pfd, _MM_HINT_T0);
+            tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][gi])));
+        }
+        for (int64_t c = c0; c < c0 + g; c += 16) {
+            const __m512 xv = _mm512_loadu_ps(xh + c);
+            for (int i = 0; i < RB; i++) {
+                int64_t q;
+                memcpy(&q, rp[i] + c / 2, 8);
+                const __m512i idx = _mm512_srlv_epi32(_mm512_set1_epi64(q), sh);
+                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, tab[i]), xv, acc[i]);
+            }
+        }
+    }
+    const __m512i back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int i = 0; i < RB; i++) out[i] = hsum16_avx512(_mm512_permutexvar_ps(back, acc[i]));
 }
 
 static int cpu_avx512(void) {
@@ -369,6 +412,16 @@ static int fused_ok(const qmat *w, int64_t T) {
 
 static void linear_block_avx512(const linear_ctx *k, int64_t r0, float *buf) {
     const qmat *w = k->w;
+    if (k->xp) { /* one token, int4, C and g multiples of 16: the halves kernel */
+        const int64_t R = w->rows;
+        const int nr = (int)(R - r0 < RB ? R - r0 : RB);
+        int64_t rows[RB];
+        for (int i = 0; i < RB; i++) rows[i] = r0 + (i < nr ? i : nr - 1); /* past R: repeat (unused) */
+        float res[RB];
+        halves_1x4(w, rows, k->xp, res);
+        for (int i = 0; i < nr; i++) k->y[r0 + i] = k->bias ? res[i] + k->bias[r0 + i] : res[i];
+        return;
+    }
     if (!fused_ok(w, k->T)) {
         mt_linear_block_tiles(k, r0, buf, row_values_avx512, tile_avx512);
         return;
@@ -437,6 +490,7 @@ const mt_isa mt_isa_avx512 = {
     .name = "avx512",
     .supported = cpu_avx512,
     .linear_block = linear_block_avx512,
+    .xp_order = MT_XP_HALVES16,
     .tile = tile_avx512,
     .sum = sum_avx512,
     .max = max_avx512,
