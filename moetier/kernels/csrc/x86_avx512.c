@@ -368,6 +368,88 @@ MT_AVX512 static void halves_1x4(const qmat *w, const int64_t *rows, const float
     for (int i = 0; i < RB; i++) out[i] = hsum16_avx512(_mm512_permutexvar_ps(back, acc[i]));
 }
 
+/* ---------------------------------------------------------------- batched: many tokens
+ * For T > TBMAX a block of RB rows is dequantized once (row_values_avx512), then
+ * multiplied with the tokens in blocks of BCOLS512 columns, so the rows and a group of
+ * tokens stay in L1, by a micro-kernel of RB rows x up to 6 tokens: 24 accumulators, each
+ * weight register reused by every token and each token's register by every row. Between
+ * column blocks each (token, row) keeps its sixteen lane accumulators in `st`: the
+ * contract's accumulators, only stored for a while, each still seeing its chunks in
+ * increasing order (as x86_avx2.c's batch_rows). */
+#define BCOLS512 512
+#define BMK_TOK 6
+
+MT_AVX512 static inline __attribute__((always_inline)) void
+bmk_avx512(const int nt, const float *xs, int64_t C, const float *const *wr, int64_t c0, int64_t c1, float *st) {
+    __m512 a[BMK_TOK][RB];
+    for (int j = 0; j < nt; j++)
+        for (int i = 0; i < RB; i++) a[j][i] = _mm512_loadu_ps(st + (j * RB + i) * 16);
+    const int64_t nfull = C & ~(int64_t)15, e = c1 < nfull ? c1 : nfull;
+    for (int64_t c = c0; c < e; c += 16) {
+        __m512 wv[RB];
+        for (int i = 0; i < RB; i++) wv[i] = _mm512_loadu_ps(wr[i] + c);
+        for (int j = 0; j < nt; j++) {
+            const __m512 xv = _mm512_loadu_ps(xs + j * C + c);
+            for (int i = 0; i < RB; i++) a[j][i] = _mm512_fmadd_ps(wv[i], xv, a[j][i]);
+        }
+    }
+    if (c1 == C && nfull < C) { /* the tail chunk: columns >= C read as 0 */
+        const __mmask16 m = (__mmask16)((1u << (C - nfull)) - 1u);
+        __m512 wv[RB];
+        for (int i = 0; i < RB; i++) wv[i] = _mm512_maskz_loadu_ps(m, wr[i] + nfull);
+        for (int j = 0; j < nt; j++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, xs + j * C + nfull);
+            for (int i = 0; i < RB; i++) a[j][i] = _mm512_fmadd_ps(wv[i], xv, a[j][i]);
+        }
+    }
+    for (int j = 0; j < nt; j++)
+        for (int i = 0; i < RB; i++) _mm512_storeu_ps(st + (j * RB + i) * 16, a[j][i]);
+}
+
+#define BMK(NT)                                                                                          \
+    MT_AVX512 static void bmk_##NT(const float *xs, int64_t C, const float *const *wr, int64_t c0, int64_t c1, \
+                                   float *st) {                                                          \
+        bmk_avx512(NT, xs, C, wr, c0, c1, st);                                                           \
+    }
+BMK(1)
+BMK(2)
+BMK(3)
+BMK(4)
+BMK(5)
+BMK(6)
+
+/* Rows [r0, r0 + RB) (values wr; rows past R repeat the last, results unused) of every
+ * token, T > TBMAX. st: MT_STATE_TOKENS * RB * 16 floats. */
+MT_AVX512 static void batch_rows_avx512(const linear_ctx *k, int64_t r0, int nr, const float *const *wr, float *st) {
+    const int64_t T = k->T, C = k->w->cols, R = k->w->rows;
+    for (int64_t tt = 0; tt < T; tt += MT_STATE_TOKENS) {
+        const int64_t nt = T - tt < MT_STATE_TOKENS ? T - tt : MT_STATE_TOKENS;
+        memset(st, 0, (size_t)(nt * RB * 16) * 4);
+        for (int64_t c0 = 0; c0 < C; c0 += BCOLS512) {
+            const int64_t c1 = c0 + BCOLS512 < C ? c0 + BCOLS512 : C;
+            for (int64_t t0 = 0; t0 < nt; t0 += BMK_TOK) {
+                const float *xs = k->x + (tt + t0) * C;
+                float *sp = st + t0 * RB * 16;
+                switch (nt - t0 < BMK_TOK ? nt - t0 : BMK_TOK) {
+                case 6: bmk_6(xs, C, wr, c0, c1, sp); break;
+                case 5: bmk_5(xs, C, wr, c0, c1, sp); break;
+                case 4: bmk_4(xs, C, wr, c0, c1, sp); break;
+                case 3: bmk_3(xs, C, wr, c0, c1, sp); break;
+                case 2: bmk_2(xs, C, wr, c0, c1, sp); break;
+                default: bmk_1(xs, C, wr, c0, c1, sp); break;
+                }
+            }
+        }
+        for (int64_t t = 0; t < nt; t++)
+            for (int i = 0; i < nr; i++) {
+                const float v = hsum16_avx512(_mm512_loadu_ps(st + (t * RB + i) * 16));
+                k->y[(tt + t) * R + r0 + i] = k->bias ? v + k->bias[r0 + i] : v;
+            }
+    }
+}
+
+static const float *row_values_avx512(const qmat *w, int64_t r, float *buf);
+
 static int cpu_avx512(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -420,6 +502,13 @@ static void linear_block_avx512(const linear_ctx *k, int64_t r0, float *buf) {
         float res[RB];
         halves_1x4(w, rows, k->xp, res);
         for (int i = 0; i < nr; i++) k->y[r0 + i] = k->bias ? res[i] + k->bias[r0 + i] : res[i];
+        return;
+    }
+    if (k->T > TBMAX) { /* dequantized rows, then the batched micro-kernel */
+        const int nr = (int)(w->rows - r0 < RB ? w->rows - r0 : RB);
+        const float *wr[RB];
+        for (int i = 0; i < RB; i++) wr[i] = i < nr ? row_values_avx512(w, r0 + i, buf + i * k->blen) : wr[nr - 1];
+        batch_rows_avx512(k, r0, nr, wr, buf + RB * k->blen);
         return;
     }
     if (!fused_ok(w, k->T)) {
