@@ -117,8 +117,8 @@ typedef struct {
     const float *bias;
     float *y;
     atomic_int failed; /* a chunk could not allocate its buffer */
-    /* one token of int4 weights, for an ISA with an xp_order: x's columns in that order
-     * (mt_int4_pairs_src, mt_int4_halves_src); NULL otherwise */
+    /* int4 weights on an ISA with an xp_order (see there): x's columns in that order
+     * (mt_int4_pairs_src, mt_int4_halves_src), token by token; NULL otherwise */
     const float *xp;
 } linear_ctx;
 
@@ -159,8 +159,9 @@ typedef struct mt_isa {
     int (*linear_many)(int nthreads, const float *x, int64_t T, const qmat *w, const float *bias, float *y);
     int64_t many_min;
     /* MT_XP_PAIRS32: its linear_block reads linear_ctx.xp for one token of int4 weights
-     * whose columns and group size are multiples of 32; MT_XP_HALVES16: the same for
-     * multiples of 16 (mt_linear makes it) */
+     * whose columns and group size are multiples of 32; MT_XP_HALVES16: for any number of
+     * tokens ([T][C]) of int4 weights whose columns and group size are multiples of 16
+     * (mt_linear makes it) */
     int xp_order;
     /* optional: rows [r0, r0 + n) of every token under the int8-activation contract (NULL:
      * the generic one) */

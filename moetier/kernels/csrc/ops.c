@@ -113,13 +113,15 @@ int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const 
     if (bpc < 1) bpc = 1;
     float *xp = NULL;
     const int64_t xp_mult = isa->xp_order == MT_XP_PAIRS32 ? 32 : isa->xp_order == MT_XP_HALVES16 ? 16 : 0;
-    if (xp_mult && T == 1 && w->dtype == DT_INT4 && w->cols % xp_mult == 0 && w->g % xp_mult == 0) {
-        if (!(xp = mt_scratch(3, (size_t)w->cols))) return -1;
-        if (isa->xp_order == MT_XP_PAIRS32)
-            for (int64_t j = 0; j < w->cols; j++) xp[j] = x[mt_int4_pairs_src(j)];
-        else
-            for (int64_t j = 0; j < w->cols; j++) xp[j] = x[mt_int4_halves_src(j)];
-        bpc *= PAIRS_CHUNK_MUL;
+    /* pairs: one token; halves: every token */
+    if (xp_mult && (T == 1 || isa->xp_order == MT_XP_HALVES16) && w->dtype == DT_INT4 && w->cols % xp_mult == 0 &&
+        w->g % xp_mult == 0) {
+        const int64_t C = w->cols;
+        if (!(xp = mt_scratch(3, (size_t)(T * C)))) return -1;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < C; j++)
+                xp[t * C + j] = x[t * C + (isa->xp_order == MT_XP_PAIRS32 ? mt_int4_pairs_src(j) : mt_int4_halves_src(j))];
+        if (T == 1) bpc *= PAIRS_CHUNK_MUL;
     }
     linear_ctx k = {isa, x, T, bpc, mt_rowbuf_len(w), w, bias, y, 0, xp};
     mt_pool_run(nthreads, (nb + bpc - 1) / bpc, linear_chunk, &k);

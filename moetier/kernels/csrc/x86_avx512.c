@@ -368,6 +368,60 @@ MT_AVX512 static void halves_1x4(const qmat *w, const int64_t *rows, const float
     for (int i = 0; i < RB; i++) out[i] = hsum16_avx512(_mm512_permutexvar_ps(back, acc[i]));
 }
 
+#define BMK_TOK 6 /* tokens per tile of the batched kernels */
+
+/* The halves kernel for NT (2..6) tokens x RB rows: each chunk of a row is dequantized in
+ * registers once and used by every token of the tile (24 accumulators at NT = 6). */
+MT_AVX512 static inline __attribute__((always_inline)) void
+halves_tb(const int nt, const qmat *w, const int64_t *rows, const float *const *xh, float out[BMK_TOK][RB]) {
+    const int64_t C = w->cols, g = w->g, rb = w->row_bytes, ng = w->ngroups;
+    const int64_t pfd = MT_PREFETCH_BLOCKS * RB * rb;
+    const uint8_t *rp[RB];
+    const uint16_t *sp[RB];
+    for (int i = 0; i < RB; i++) {
+        rp[i] = w->data + rows[i] * rb;
+        sp[i] = w->scales + rows[i] * ng;
+    }
+    const __m512 nib = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+    __m512 acc[BMK_TOK][RB];
+    for (int j = 0; j < nt; j++)
+        for (int i = 0; i < RB; i++) acc[j][i] = _mm512_setzero_ps();
+    for (int64_t c0 = 0, gi = 0; c0 < C; c0 += g, gi++) {
+        __m512 tab[RB];
+        for (int i = 0; i < RB; i++) {
+            _mm_prefetch((const char *)rp[i] + c0 / 2 + pfd, _MM_HINT_T0);
+            tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][gi])));
+        }
+        for (int64_t c = c0; c < c0 + g; c += 16) {
+            __m512 wv[RB];
+            for (int i = 0; i < RB; i++) {
+                int64_t q;
+                memcpy(&q, rp[i] + c / 2, 8);
+                wv[i] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(q), sh), tab[i]);
+            }
+            for (int j = 0; j < nt; j++) {
+                const __m512 xv = _mm512_loadu_ps(xh[j] + c);
+                for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+            }
+        }
+    }
+    const __m512i back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int j = 0; j < nt; j++)
+        for (int i = 0; i < RB; i++) out[j][i] = hsum16_avx512(_mm512_permutexvar_ps(back, acc[j][i]));
+}
+
+#define HALVES_TB(NT)                                                                                    \
+    MT_AVX512 static void halves_##NT(const qmat *w, const int64_t *rows, const float *const *xh,      \
+                                      float out[BMK_TOK][RB]) {                                        \
+        halves_tb(NT, w, rows, xh, out);                                                               \
+    }
+HALVES_TB(2)
+HALVES_TB(3)
+HALVES_TB(4)
+HALVES_TB(5)
+HALVES_TB(6)
+
 /* ---------------------------------------------------------------- batched: many tokens
  * For T > TBMAX a block of RB rows is dequantized once (row_values_avx512), then
  * multiplied with the tokens in blocks of BCOLS512 columns, so the rows and a group of
@@ -377,7 +431,6 @@ MT_AVX512 static void halves_1x4(const qmat *w, const int64_t *rows, const float
  * contract's accumulators, only stored for a while, each still seeing its chunks in
  * increasing order (as x86_avx2.c's batch_rows). */
 #define BCOLS512 512
-#define BMK_TOK 6
 
 MT_AVX512 static inline __attribute__((always_inline)) void
 bmk_avx512(const int nt, const float *xs, int64_t C, const float *const *wr, int64_t c0, int64_t c1, float *st) {
@@ -494,14 +547,36 @@ static int fused_ok(const qmat *w, int64_t T) {
 
 static void linear_block_avx512(const linear_ctx *k, int64_t r0, float *buf) {
     const qmat *w = k->w;
-    if (k->xp) { /* one token, int4, C and g multiples of 16: the halves kernel */
-        const int64_t R = w->rows;
+    if (k->xp) { /* int4, C and g multiples of 16: the halves kernels (xp: every token, halves order) */
+        const int64_t R = w->rows, C = w->cols, T = k->T;
         const int nr = (int)(R - r0 < RB ? R - r0 : RB);
         int64_t rows[RB];
         for (int i = 0; i < RB; i++) rows[i] = r0 + (i < nr ? i : nr - 1); /* past R: repeat (unused) */
-        float res[RB];
-        halves_1x4(w, rows, k->xp, res);
-        for (int i = 0; i < nr; i++) k->y[r0 + i] = k->bias ? res[i] + k->bias[r0 + i] : res[i];
+        if (T == 1) {
+            float res[RB];
+            halves_1x4(w, rows, k->xp, res);
+            for (int i = 0; i < nr; i++) k->y[r0 + i] = k->bias ? res[i] + k->bias[r0 + i] : res[i];
+            return;
+        }
+        /* tiles of at most BMK_TOK tokens, as even as possible */
+        const int64_t ntiles = (T + BMK_TOK - 1) / BMK_TOK;
+        for (int64_t tile = 0, t0 = 0; tile < ntiles; tile++) {
+            const int tb = (int)((T - t0) / (ntiles - tile) + ((T - t0) % (ntiles - tile) != 0));
+            const float *xh[BMK_TOK];
+            for (int j = 0; j < BMK_TOK; j++) xh[j] = k->xp + (t0 + (j < tb ? j : 0)) * C;
+            float res[BMK_TOK][RB];
+            switch (tb) {
+            case 2: halves_2(w, rows, xh, res); break;
+            case 3: halves_3(w, rows, xh, res); break;
+            case 4: halves_4(w, rows, xh, res); break;
+            case 5: halves_5(w, rows, xh, res); break;
+            default: halves_6(w, rows, xh, res); break;
+            }
+            for (int j = 0; j < tb; j++)
+                for (int i = 0; i < nr; i++)
+                    k->y[(t0 + j) * R + r0 + i] = k->bias ? res[j][i] + k->bias[r0 + i] : res[j][i];
+            t0 += tb;
+        }
         return;
     }
     if (k->T > TBMAX) { /* dequantized rows, then the batched micro-kernel */
