@@ -122,7 +122,7 @@ typedef struct {
     const float *xp;
 } linear_ctx;
 
-/* The orders an ISA's one-token int4 kernel may want x's columns in (mt_isa.xp_order). */
+/* The orders an ISA's int4 kernels may want x's columns in (mt_isa.xp_order). */
 enum { MT_XP_NONE = 0, MT_XP_PAIRS32 = 1, MT_XP_HALVES16 = 2 };
 
 /* The column order of linear_ctx.xp: per chunk of 32 columns c, the even columns of

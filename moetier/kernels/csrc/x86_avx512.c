@@ -325,7 +325,9 @@ static void fused(int tb, const float *const *xr, const qmat *w, const int64_t *
     }
 }
 
-/* One token of int4 weights, columns and groups in multiples of 16 (linear_ctx.xp, in the
+#define BMK_TOK 6 /* tokens per tile of the batched kernels */
+
+/* The halves kernel: int4 weights, columns and groups in multiples of 16 (linear_ctx.xp, in the
  * halves order of mt_int4_halves_src). A 16-column chunk of a row is its 8 packed bytes
  * broadcast to every 64-bit lane: the even 32-bit lanes hold bytes 0-3 (columns 0-7), the
  * odd ones bytes 4-7 (columns 8-15), so one vpsrlvd by 4 * (lane / 2) brings column k to
@@ -334,44 +336,9 @@ static void fused(int tb, const float *const *xr, const qmat *w, const int64_t *
  * byte shuffle: one shift and one vpermps per chunk instead of vpmultishiftqb + vpermps.
  * Register lane 2k accumulates contract lane k and lane 2k + 1 contract lane 8 + k, each
  * lane's columns in increasing order; the lanes are put back in order before the
- * contract's tree, so every output is bit for bit fused_tb's. */
-MT_AVX512 static void halves_1x4(const qmat *w, const int64_t *rows, const float *xh, float out[RB]) {
-    const int64_t C = w->cols, g = w->g, rb = w->row_bytes, ng = w->ngroups;
-    const int64_t pfd = MT_PREFETCH_BLOCKS * RB * rb;
-    const uint8_t *rp[RB];
-    const uint16_t *sp[RB];
-    for (int i = 0; i < RB; i++) {
-        rp[i] = w->data + rows[i] * rb;
-        sp[i] = w->scales + rows[i] * ng;
-    }
-    const __m512 nib = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-    __m512 acc[RB];
-    for (int i = 0; i < RB; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t c0 = 0, gi = 0; c0 < C; c0 += g, gi++) {
-        __m512 tab[RB];
-        for (int i = 0; i < RB; i++) {
-            _mm_prefetch((const char *)rp[i] + c0 / 2 + pfd, _MM_HINT_T0);
-            tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][gi])));
-        }
-        for (int64_t c = c0; c < c0 + g; c += 16) {
-            const __m512 xv = _mm512_loadu_ps(xh + c);
-            for (int i = 0; i < RB; i++) {
-                int64_t q;
-                memcpy(&q, rp[i] + c / 2, 8);
-                const __m512i idx = _mm512_srlv_epi32(_mm512_set1_epi64(q), sh);
-                acc[i] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, tab[i]), xv, acc[i]);
-            }
-        }
-    }
-    const __m512i back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (int i = 0; i < RB; i++) out[i] = hsum16_avx512(_mm512_permutexvar_ps(back, acc[i]));
-}
-
-#define BMK_TOK 6 /* tokens per tile of the batched kernels */
-
-/* The halves kernel for NT (2..6) tokens x RB rows: each chunk of a row is dequantized in
- * registers once and used by every token of the tile (24 accumulators at NT = 6). */
+ * contract's tree, so every output is bit for bit fused_tb's. NT (1..6) tokens x RB rows: each
+ * chunk of a row is dequantized in registers once and used by every token of the tile (24
+ * accumulators at NT = 6). */
 MT_AVX512 static inline __attribute__((always_inline)) void
 halves_tb(const int nt, const qmat *w, const int64_t *rows, const float *const *xh, float out[BMK_TOK][RB]) {
     const int64_t C = w->cols, g = w->g, rb = w->row_bytes, ng = w->ngroups;
@@ -416,6 +383,7 @@ halves_tb(const int nt, const qmat *w, const int64_t *rows, const float *const *
                                       float out[BMK_TOK][RB]) {                                        \
         halves_tb(NT, w, rows, xh, out);                                                               \
     }
+HALVES_TB(1)
 HALVES_TB(2)
 HALVES_TB(3)
 HALVES_TB(4)
@@ -552,12 +520,6 @@ static void linear_block_avx512(const linear_ctx *k, int64_t r0, float *buf) {
         const int nr = (int)(R - r0 < RB ? R - r0 : RB);
         int64_t rows[RB];
         for (int i = 0; i < RB; i++) rows[i] = r0 + (i < nr ? i : nr - 1); /* past R: repeat (unused) */
-        if (T == 1) {
-            float res[RB];
-            halves_1x4(w, rows, k->xp, res);
-            for (int i = 0; i < nr; i++) k->y[r0 + i] = k->bias ? res[i] + k->bias[r0 + i] : res[i];
-            return;
-        }
         /* tiles of at most BMK_TOK tokens, as even as possible */
         const int64_t ntiles = (T + BMK_TOK - 1) / BMK_TOK;
         for (int64_t tile = 0, t0 = 0; tile < ntiles; tile++) {
@@ -566,6 +528,7 @@ static void linear_block_avx512(const linear_ctx *k, int64_t r0, float *buf) {
             for (int j = 0; j < BMK_TOK; j++) xh[j] = k->xp + (t0 + (j < tb ? j : 0)) * C;
             float res[BMK_TOK][RB];
             switch (tb) {
+            case 1: halves_1(w, rows, xh, res); break;
             case 2: halves_2(w, rows, xh, res); break;
             case 3: halves_3(w, rows, xh, res); break;
             case 4: halves_4(w, rows, xh, res); break;
