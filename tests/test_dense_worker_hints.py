@@ -70,3 +70,41 @@ async def test_hints_reach_the_store_from_one_sender_thread(tmp_path: Path, lane
         remote.close()
     finally:
         await server.stop(0)
+
+
+@pytest.mark.parametrize("lane", [False, True], ids=["grpc", "local-lane"])
+@pytest.mark.parametrize("cache", ["100%", "50%"])
+async def test_a_store_holding_every_expert_says_so_and_hints_stop(tmp_path: Path, lane: bool, cache: str) -> None:
+    """ComputeExpertsResponse.complete: true once every expert the store holds is resident with
+    room for all (the worker then predicts no hints), never with a smaller cache."""
+    model = synth.write_container("tiny-deepseek_v3", tmp_path / "m", 0)
+    settings = load_settings(overrides={
+        "model": {"path": str(model), "expert_cache": cache}, "cache": {"policy": "lru"},
+        "data_dir": str(tmp_path / "data"),
+        "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0}}, environ={})
+    server, port = create_server(settings, "127.0.0.1:0", threads=1)
+    await server.start()
+    try:
+        remote = RemoteExperts(f"127.0.0.1:{port}", server.core.shape.model_id, timeout_s=5, local_lane=lane)
+        await asyncio.to_thread(remote.check)
+        shape = server.core.shape
+        x = np.ones((1, shape.hidden_size), dtype=np.float32)
+        w = np.ones((1, 1), dtype=np.float32)
+        assert remote.wants_hints()
+
+        def every_expert() -> list[bool]:
+            seen = []
+            for layer in shape.moe_layers:
+                for e in range(shape.n_experts):
+                    remote.moe(layer, x, np.array([[e]], dtype=np.int32), w)
+                    seen.append(remote.wants_hints())
+            return seen
+
+        seen = await asyncio.to_thread(every_expert)
+        if cache == "100%":
+            assert seen[-1] is False and all(seen[:-1]), "complete only once the last expert is resident"
+        else:
+            assert all(seen), "a store that cannot hold every expert said it was complete"
+        remote.close()
+    finally:
+        await server.stop(0)

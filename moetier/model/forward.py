@@ -29,7 +29,7 @@ from moetier.model.attention import Attention, Segment, build_attention
 from moetier.model.config import ModelArgs
 from moetier.model.ffn import MoeBlock, SwiGlu
 from moetier.model.kv_cache import KVCache
-from moetier.model.ops import ExpertProvider, Ops
+from moetier.model.ops import ExpertProvider, Ops, wants_hints
 from moetier.model.rope import Rope, softmax_scale
 from moetier.model.weights import check_dense, embed_rows, vector
 from moetier.weights.quant import QTensor
@@ -111,6 +111,7 @@ class Model:
         check_dense(args, dense)
         self.args, self.ops, self.experts = args, ops, experts
         self.predict_experts = predict_experts  # issue prefetch hints (and measure their recall)
+        self._hinting = predict_experts  # this step's: off while the provider says hints cannot help
         # experts per row hinted for this MoE layer and the next ones (see PREFETCH_PLAN); reads for
         # a later layer get a whole layer's compute to overlap
         if not prefetch_plan or any(int(n) < 0 for n in prefetch_plan):
@@ -166,6 +167,9 @@ class Model:
         cos, sin = self.rope.cos_sin(pos)  # [T, P]
 
         x = embed_rows(self.embed, ids)  # [T, D]
+        self._hinting = self.predict_experts and wants_hints(self.experts)
+        if not self._hinting:
+            self._ahead.clear()
         for i, layer in enumerate(self.layers):
             x = self._layer(i, layer, x, cos, sin, segments)
 
@@ -213,7 +217,7 @@ class Model:
     def _layer(self, i: int, layer: Layer, x: F32, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32:
         ops, eps = self.ops, self.args.rms_norm_eps
         predicted = None
-        if layer.moe is not None and self.predict_experts:
+        if layer.moe is not None and self._hinting:
             # this layer first: its reads are needed soonest (prefetch reads are served in order)
             for n, j in enumerate([i, *self._moe_after[i]][: len(self.prefetch_plan)]):
                 top = self.prefetch_plan[n]

@@ -126,6 +126,14 @@ def start_moe(experts: ExpertProvider, layer: int, x: F32, ids: npt.NDArray[np.i
     return _Done(experts.moe(layer, x, ids, weights))
 
 
+def wants_hints(experts: ExpertProvider) -> bool:
+    """Whether prefetch hints can help `experts` now. A provider that knows they cannot (every
+    expert resident, none evictable) has `wants_hints() -> bool`; the model then skips predicting
+    them for the step, which is work of the step's own. Any other wants them."""
+    ask = getattr(experts, "wants_hints", None)
+    return True if ask is None else bool(ask())
+
+
 def combine_slots(ys: F32, weights: F32) -> F32:
     """out[t] = sum_k weights[t, k] * ys[t, k], the sum elementwise in k order (0..K-1).
     ys [T, K, D], weights [T, K] -> [T, D]. The second half of every `Ops.moe`: one code path

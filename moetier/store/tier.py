@@ -489,6 +489,12 @@ class ExpertTier:
                 state[self._row[layer], ex] = HEAT_PINNED if e.pins else HEAT_LOADING if e.loading else HEAT_RAM
         return HeatSnapshot(np.asarray(self.index.layers, dtype=np.int32), uses, state)
 
+    def complete(self) -> bool:
+        """Every expert of the index is resident (none loading), so none is ever evicted (no
+        other expert can ask for room): prefetch hints can do nothing until a read fails. A
+        read without the lock, for callers deciding whether to predict at all."""
+        return self._loading_bytes == 0 and len(self._entries) == len(self.index)
+
     def resident(self) -> set[ExpertKey]:
         with self._cond:
             return {k for k, e in self._entries.items() if not e.loading}

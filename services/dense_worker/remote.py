@@ -167,6 +167,7 @@ class RemoteExperts:
         self.clock = clock
         self.hidden_size = hidden_size
         self.step = 0
+        self.complete = False  # the store's last answer said it holds every expert resident
         self.stats = RemoteStats()
         self.call_seconds: deque[float] = deque()  # drained by the metrics after each step
         self._lock = threading.Lock()
@@ -178,6 +179,11 @@ class RemoteExperts:
                                  | None] | None = None  # the sender's queue, while a sender runs
 
     # ---- the provider --------------------------------------------------------------
+    def wants_hints(self) -> bool:
+        """False while the store's last answer said every expert it holds is resident
+        (ComputeExpertsResponse.complete): hints cannot help it then."""
+        return not self.complete
+
     def new_step(self) -> int:
         self.step += 1
         return self.step
@@ -294,6 +300,7 @@ class RemoteExperts:
             self.stats.failed_calls += 1
             raise Unavailable(f"expert store {self.address}: ComputeExperts of layer {layer} returned "
                               f"{list(out.shape)}, expected {list(want)}")
+        self.complete = resp.complete
         self.stats.calls += 1
         self.stats.rows += len(x)
         self.stats.store_hits += resp.hits

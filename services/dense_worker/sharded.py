@@ -241,6 +241,11 @@ class ShardedExperts:
                 f"stores in the placement map: {', '.join(s.member_id for s in pmap.stores) or 'none'}"
                 f"{'; failing: ' + ', '.join(down) if down else ''})")
 
+    def wants_hints(self) -> bool:
+        """False while every store of the map said it holds all its experts resident."""
+        stores = [self._stores.get(s.member_id) for s in self.placement.map.stores]
+        return not stores or any(c is None or c.wants_hints() for c in stores)
+
     def prefetch(self, layer: int, ids: I32) -> None:
         pmap = self.placement.map
         assign, _ = pmap.assign(layer, np.asarray(ids).tolist(), self._down_now())
