@@ -74,9 +74,12 @@ async def test_hints_reach_the_store_from_one_sender_thread(tmp_path: Path, lane
 
 @pytest.mark.parametrize("lane", [False, True], ids=["grpc", "local-lane"])
 @pytest.mark.parametrize("cache", ["100%", "50%"])
-async def test_a_store_holding_every_expert_says_so_and_hints_stop(tmp_path: Path, lane: bool, cache: str) -> None:
-    """ComputeExpertsResponse.complete: true once every expert the store holds is resident with
-    room for all (the worker then predicts no hints), never with a smaller cache."""
+async def test_a_settled_store_says_so_and_hints_stop(tmp_path: Path, lane: bool, cache: str) -> None:
+    """ComputeExpertsResponse.settled: true once a store whose cache holds every expert has
+    answered SETTLE_STEPS steps without a miss (the worker then predicts no hints), false again
+    after a miss, never with a smaller cache."""
+    from moetier.store.tier import SETTLE_STEPS
+
     model = synth.write_container("tiny-deepseek_v3", tmp_path / "m", 0)
     settings = load_settings(overrides={
         "model": {"path": str(model), "expert_cache": cache}, "cache": {"policy": "lru"},
@@ -90,21 +93,23 @@ async def test_a_store_holding_every_expert_says_so_and_hints_stop(tmp_path: Pat
         shape = server.core.shape
         x = np.ones((1, shape.hidden_size), dtype=np.float32)
         w = np.ones((1, 1), dtype=np.float32)
+        layer = shape.moe_layers[0]
         assert remote.wants_hints()
 
-        def every_expert() -> list[bool]:
+        def steps(expert: int, n: int) -> list[bool]:
             seen = []
-            for layer in shape.moe_layers:
-                for e in range(shape.n_experts):
-                    remote.moe(layer, x, np.array([[e]], dtype=np.int32), w)
-                    seen.append(remote.wants_hints())
+            for _ in range(n):
+                remote.new_step()
+                remote.moe(layer, x, np.array([[expert]], dtype=np.int32), w)
+                seen.append(remote.wants_hints())
             return seen
 
-        seen = await asyncio.to_thread(every_expert)
+        seen = await asyncio.to_thread(steps, 0, SETTLE_STEPS + 2)
         if cache == "100%":
-            assert seen[-1] is False and all(seen[:-1]), "complete only once the last expert is resident"
+            assert seen.index(False) >= SETTLE_STEPS - 1 and seen[-1] is False, seen
+            assert await asyncio.to_thread(steps, 1, 1) == [True], "a miss left the store settled"
         else:
-            assert all(seen), "a store that cannot hold every expert said it was complete"
+            assert all(seen), "a store that cannot hold every expert said it was settled"
         remote.close()
     finally:
         await server.stop(0)

@@ -240,40 +240,51 @@ def test_tiered_model_equals_in_memory_model(tmp_path: Path) -> None:
     c.close()
 
 
-def test_a_tier_holding_every_expert_stops_the_models_hints(tmp_path: Path) -> None:
-    """Once the tier holds every expert (none loading, none evictable) the model predicts no
-    hints; the logits are those of the model that goes on hinting, and of one that fits nothing."""
+def test_a_settled_tier_stops_the_models_hints(tmp_path: Path) -> None:
+    """A tier whose budget holds every expert settles after SETTLE_STEPS steps without a miss and
+    a miss unsettles it; one a record short never settles. A settled tier is sent no hints, and
+    the logits are those of the model that goes on hinting."""
     from moetier.convert import synth
+    from moetier.store.tier import SETTLE_STEPS
     from moetier.weights.container import Container
 
     c = Container.open(synth.write_container("tiny-qwen3_moe", tmp_path / "m", 0))
     ops = ReferenceOps()
     dense = {n: c.dense(n) for n in c.dense_names()}
     layers, n = c.args.moe_layer_ids, c.args.n_routed_experts
-    half = TierConfig(budget_bytes=(len(layers) * n - 1) * c.layout.record_bytes, policy="lru")
+    short = TierConfig(budget_bytes=(len(layers) * n - 1) * c.layout.record_bytes, policy="lru")
     full = TierConfig(budget_bytes=len(layers) * n * c.layout.record_bytes, policy="lru")
-    with TieredExperts.open(c, ops, full, depth=2) as experts, TieredExperts.open(c, ops, half, depth=2) as short:
-        assert experts.wants_hints() and not experts.tier.complete()
-        for li in layers:  # everything resident
+    with TieredExperts.open(c, ops, full, depth=2) as experts, TieredExperts.open(c, ops, short, depth=2) as tight:
+        for tiered in (experts, tight):
+            with tiered.tier.acquire(layers[0], [0]):  # a miss
+                pass
+            for step in range(SETTLE_STEPS + 2):
+                assert tiered.wants_hints() == (tiered is tight or step < SETTLE_STEPS), step
+                tiered.tier.new_step()
+                with tiered.tier.acquire(layers[0], [0]):  # a hit
+                    pass
+        assert experts.tier.settled() and not tight.tier.settled()
+        with experts.tier.acquire(layers[-1], [n - 1]):  # a miss unsettles
+            pass
+        assert not experts.tier.settled() and experts.wants_hints()
+        for li in layers:  # everything resident, then settled again
             with experts.tier.acquire(li, range(n)):
                 pass
-        assert experts.tier.complete() and not experts.wants_hints()
-        for li in layers:  # one expert short of everything: never complete
-            with short.tier.acquire(li, range(n)):
-                pass
-        assert not short.tier.complete() and short.wants_hints()
-        quiet, hinting = Model(c.args, dense, ops, experts), Model(c.args, dense, ops, short)
+        for _ in range(SETTLE_STEPS):
+            experts.tier.new_step()
+        assert experts.tier.settled()
+        quiet, hinting = Model(c.args, dense, ops, experts), Model(c.args, dense, ops, tight)
         caches = [quiet.new_cache(), hinting.new_cache()]
         prompt = np.random.default_rng(1).integers(0, c.args.vocab_size, 5)
-        before = (experts.tier.stats().prefetch_hints, short.tier.stats().prefetch_hints)
+        before = (experts.tier.stats().prefetch_hints, tight.tier.stats().prefetch_hints)
         a, b = quiet.step([(caches[0], prompt)])[0], hinting.step([(caches[1], prompt)])[0]
         for _ in range(3):
             assert np.array_equal(a, b)
             tok = np.array([int(np.argmax(a))])
             a, b = quiet.step([(caches[0], tok)])[0], hinting.step([(caches[1], tok)])[0]
         assert np.array_equal(a, b)
-        assert experts.tier.stats().prefetch_hints == before[0], "a complete tier was sent hints"
-        assert short.tier.stats().prefetch_hints > before[1]
+        assert experts.tier.stats().prefetch_hints == before[0], "a settled tier was sent hints"
+        assert tight.tier.stats().prefetch_hints > before[1]
     c.close()
 
 

@@ -44,7 +44,7 @@ class ComputeResult:
     load_ns: int  # pinning the union and waiting for reads beyond the compute that overlapped them
     compute_ns: int  # the kernels (every wave and the combine)
     waves: int = 1  # pin-compute-release rounds: more than one when the union exceeds the budget
-    complete: bool = False  # the tier held every expert when the call ended (ExpertTier.complete)
+    settled: bool = False  # the tier was settled when the call ended (ExpertTier.settled)
 
 
 @dataclass
@@ -150,7 +150,7 @@ class TierCompute:
             s.misses += misses
             s.load_s += load_ns / 1e9
             s.compute_s += compute_ns / 1e9
-        return ComputeResult(y, hits, misses, load_ns, compute_ns, len(job.waves), self.tier.complete())
+        return ComputeResult(y, hits, misses, load_ns, compute_ns, len(job.waves), self.tier.settled())
 
     def totals(self) -> ComputeStats:
         with self._lock:

@@ -62,8 +62,8 @@ class TieredExperts:
         self._last_layer = layer
 
     def wants_hints(self) -> bool:
-        """False once the tier holds every expert (moetier.model.ops.wants_hints)."""
-        return not self.tier.complete()
+        """False while the tier is settled (ExpertTier.settled; moetier.model.ops.wants_hints)."""
+        return not self.tier.settled()
 
     def moe(self, layer: int, x: F32, ids: I32, weights: F32) -> F32:
         """x [T, D], ids/weights [T, K] -> [T, D]; in waves when the union exceeds the budget."""

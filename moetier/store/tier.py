@@ -51,6 +51,7 @@ from moetier.weights.index import ExpertIndex, ExpertKey
 log = logging.getLogger(__name__)
 
 IdsLike = Iterable[int] | npt.NDArray[np.integer[Any]]
+SETTLE_STEPS = 16  # steps without a miss before a tier that holds everything stops wanting hints
 
 
 @dataclass
@@ -183,6 +184,8 @@ class ExpertTier:
         self._loading_bytes = 0
         self._pinned_ready_bytes = 0
         self._step = 0
+        self._roomy = self.budget >= sum(r.length for r in self.index.records.values())  # never evicts
+        self._missed_step = 0  # the step of the latest miss or failed read (see settled)
         self._row = self.index.layer_row()
         self._uses = np.zeros((len(self.index.layers), self.index.n_experts), dtype=np.uint32)
         self._stats = TierStats(policy=config.policy, budget_bytes=self.budget,
@@ -318,6 +321,8 @@ class ExpertTier:
             entries.append(e)
         self._stats.hits[layer] += hits
         self._stats.misses[layer] += len(keys) - hits
+        if hits < len(keys):
+            self._missed_step = self._step
         self._make_room()
         for e in new:  # into the policy now, in key order, so decisions never depend on read timing
             self.policy.insert(e.key)
@@ -369,6 +374,7 @@ class ExpertTier:
                         self._pinned_ready_bytes += e.nbytes
                 else:
                     del self._entries[e.key]
+                    self._missed_step = self._step
                     self.policy.remove(e.key)
                     if fut.cancelled():
                         self._stats.prefetch_dropped += 1
@@ -489,11 +495,13 @@ class ExpertTier:
                 state[self._row[layer], ex] = HEAT_PINNED if e.pins else HEAT_LOADING if e.loading else HEAT_RAM
         return HeatSnapshot(np.asarray(self.index.layers, dtype=np.int32), uses, state)
 
-    def complete(self) -> bool:
-        """Every expert of the index is resident (none loading), so none is ever evicted (no
-        other expert can ask for room): prefetch hints can do nothing until a read fails. A
-        read without the lock, for callers deciding whether to predict at all."""
-        return self._loading_bytes == 0 and len(self._entries) == len(self.index)
+    def settled(self) -> bool:
+        """The budget holds every expert of the index (nothing is ever evicted) and the last
+        SETTLE_STEPS steps found every expert they used resident: prefetch hints can at most
+        save the read of an expert never used so far, which costs less than predicting them
+        every step. A miss (or a failed read) unsettles the tier. Read without the lock, for
+        callers deciding whether to predict at all."""
+        return self._roomy and self._step - self._missed_step >= SETTLE_STEPS
 
     def resident(self) -> set[ExpertKey]:
         with self._cond:

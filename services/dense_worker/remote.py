@@ -167,7 +167,7 @@ class RemoteExperts:
         self.clock = clock
         self.hidden_size = hidden_size
         self.step = 0
-        self.complete = False  # the store's last answer said it holds every expert resident
+        self.settled = False  # the store's last answer said hints cannot help it now
         self.stats = RemoteStats()
         self.call_seconds: deque[float] = deque()  # drained by the metrics after each step
         self._lock = threading.Lock()
@@ -180,9 +180,9 @@ class RemoteExperts:
 
     # ---- the provider --------------------------------------------------------------
     def wants_hints(self) -> bool:
-        """False while the store's last answer said every expert it holds is resident
-        (ComputeExpertsResponse.complete): hints cannot help it then."""
-        return not self.complete
+        """False while the store's last answer said hints cannot help it now
+        (ComputeExpertsResponse.settled)."""
+        return not self.settled
 
     def new_step(self) -> int:
         self.step += 1
@@ -300,7 +300,7 @@ class RemoteExperts:
             self.stats.failed_calls += 1
             raise Unavailable(f"expert store {self.address}: ComputeExperts of layer {layer} returned "
                               f"{list(out.shape)}, expected {list(want)}")
-        self.complete = resp.complete
+        self.settled = resp.settled
         self.stats.calls += 1
         self.stats.rows += len(x)
         self.stats.store_hits += resp.hits

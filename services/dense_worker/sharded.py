@@ -242,7 +242,7 @@ class ShardedExperts:
                 f"{'; failing: ' + ', '.join(down) if down else ''})")
 
     def wants_hints(self) -> bool:
-        """False while every store of the map said it holds all its experts resident."""
+        """False while every store of the map said hints cannot help it (settled)."""
         stores = [self._stores.get(s.member_id) for s in self.placement.map.stores]
         return not stores or any(c is None or c.wants_hints() for c in stores)
 

@@ -75,7 +75,7 @@ def compute_from_pb(req: pb.ComputeExpertsRequest, shape: ModelShape, region: mm
 def compute_to_pb(r: ComputeResult, with_output: bool = True) -> pb.ComputeExpertsResponse:
     """with_output=False: the output is the caller's to place (the local lane's region)."""
     resp = pb.ComputeExpertsResponse(hits=r.hits, misses=r.misses, load_ns=r.load_ns, compute_ns=r.compute_ns,
-                                     complete=r.complete)
+                                     settled=r.settled)
     if with_output:
         resp.output.CopyFrom(to_pb(r.output))
     return resp

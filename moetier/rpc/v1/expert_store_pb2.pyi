@@ -112,20 +112,20 @@ class ComputeExpertsRequest(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., hidden: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., expert_ids: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., weights: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., step: _Optional[int] = ..., slot_outputs: _Optional[bool] = ...) -> None: ...
 
 class ComputeExpertsResponse(_message.Message):
-    __slots__ = ("output", "hits", "misses", "load_ns", "compute_ns", "complete")
+    __slots__ = ("output", "hits", "misses", "load_ns", "compute_ns", "settled")
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     LOAD_NS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
-    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     output: _tensor_pb2.Tensor
     hits: int
     misses: int
     load_ns: int
     compute_ns: int
-    complete: bool
-    def __init__(self, output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., load_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+    settled: bool
+    def __init__(self, output: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., load_ns: _Optional[int] = ..., compute_ns: _Optional[int] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("layer", "expert_ids", "step")
