@@ -16,9 +16,21 @@ import pytest
 from moetier.convert import synth
 from moetier.settings import load_settings
 from services.dense_worker.remote import RemoteExperts
-from services.expert_store.server import create_server
+from services.expert_store.server import StoreServer, create_server
 
 pytestmark = pytest.mark.timeout(60)
+
+
+async def start_store(tmp_path: Path, cache: str) -> tuple[StoreServer, int]:
+    """An expert store over a tiny synth model with this expert cache, started; stop it with stop(0)."""
+    model = synth.write_container("tiny-deepseek_v3", tmp_path / "m", 0)
+    settings = load_settings(overrides={
+        "model": {"path": str(model), "expert_cache": cache}, "cache": {"policy": "lru"},
+        "data_dir": str(tmp_path / "data"),
+        "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0}}, environ={})
+    server, port = create_server(settings, "127.0.0.1:0", threads=1)
+    await server.start()
+    return server, port
 
 
 def senders() -> list[threading.Thread]:
@@ -27,13 +39,7 @@ def senders() -> list[threading.Thread]:
 
 @pytest.mark.parametrize("lane", [False, True], ids=["grpc", "local-lane"])
 async def test_hints_reach_the_store_from_one_sender_thread(tmp_path: Path, lane: bool) -> None:
-    model = synth.write_container("tiny-deepseek_v3", tmp_path / "m", 0)
-    settings = load_settings(overrides={
-        "model": {"path": str(model), "expert_cache": "100%"}, "cache": {"policy": "lru"},
-        "data_dir": str(tmp_path / "data"),
-        "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0}}, environ={})
-    server, port = create_server(settings, "127.0.0.1:0", threads=1)
-    await server.start()
+    server, port = await start_store(tmp_path, "100%")
     try:
         remote = RemoteExperts(f"127.0.0.1:{port}", server.core.shape.model_id, timeout_s=5, local_lane=lane)
         await asyncio.to_thread(remote.check)
@@ -80,13 +86,7 @@ async def test_a_settled_store_says_so_and_hints_stop(tmp_path: Path, lane: bool
     after a miss, never with a smaller cache."""
     from moetier.store.tier import SETTLE_STEPS
 
-    model = synth.write_container("tiny-deepseek_v3", tmp_path / "m", 0)
-    settings = load_settings(overrides={
-        "model": {"path": str(model), "expert_cache": cache}, "cache": {"policy": "lru"},
-        "data_dir": str(tmp_path / "data"),
-        "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0}}, environ={})
-    server, port = create_server(settings, "127.0.0.1:0", threads=1)
-    await server.start()
+    server, port = await start_store(tmp_path, cache)
     try:
         remote = RemoteExperts(f"127.0.0.1:{port}", server.core.shape.model_id, timeout_s=5, local_lane=lane)
         await asyncio.to_thread(remote.check)

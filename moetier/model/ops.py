@@ -127,9 +127,9 @@ def start_moe(experts: ExpertProvider, layer: int, x: F32, ids: npt.NDArray[np.i
 
 
 def wants_hints(experts: ExpertProvider) -> bool:
-    """Whether prefetch hints can help `experts` now. A provider that knows they cannot (every
-    expert resident, none evictable) has `wants_hints() -> bool`; the model then skips predicting
-    them for the step, which is work of the step's own. Any other wants them."""
+    """Whether prefetch hints can help `experts` now. A provider that can tell they cannot (its
+    tier settled: see ExpertTier.settled) has `wants_hints() -> bool`; the model then skips
+    predicting them for the step, which is work of the step's own. Any other wants them."""
     ask = getattr(experts, "wants_hints", None)
     return True if ask is None else bool(ask())
 

@@ -184,7 +184,7 @@ class ExpertTier:
         self._loading_bytes = 0
         self._pinned_ready_bytes = 0
         self._step = 0
-        self._roomy = self.budget >= sum(r.length for r in self.index.records.values())  # never evicts
+        self._roomy = self.budget >= self.index.total_bytes  # never evicts
         self._missed_step = 0  # the step of the latest miss or failed read (see settled)
         self._row = self.index.layer_row()
         self._uses = np.zeros((len(self.index.layers), self.index.n_experts), dtype=np.uint32)

@@ -76,6 +76,7 @@ class ExpertIndex:
     n_experts: int = field(init=False)  # experts per layer (ids 0..n_experts-1)
     files: tuple[str, ...] = field(init=False)  # record files, sorted
     record_bytes: int = field(init=False)  # the largest record (buffer size)
+    total_bytes: int = field(init=False)  # every record's bytes
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -93,6 +94,7 @@ class ExpertIndex:
         self.n_experts = max(k[1] for k in self.records) + 1
         self.files = tuple(sorted({r.path for r in self.records.values()}))
         self.record_bytes = max(r.length for r in self.records.values())
+        self.total_bytes = sum(r.length for r in self.records.values())
 
     def location(self, key: ExpertKey) -> RecordLocation:
         try:

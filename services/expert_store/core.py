@@ -184,7 +184,7 @@ class StoreCore:
             self.shape = shape_of(self.container)
             index = owned_index(self.container, st.owned_experts, self.store_id)
             self.owned = to_ranges(index.records)
-            config = tier_config(settings, sum(r.length for r in index.records.values()), self.store_id)
+            config = tier_config(settings, index.total_bytes, self.store_id)
             if config.history_path is not None:
                 config.history_path.parent.mkdir(parents=True, exist_ok=True)
             self.tier = ExpertTier.open(index, config, mirrors=st.mirrors,
