@@ -89,11 +89,45 @@ int64_t mt_rowbuf_len(const qmat *w) {
  * (measured: bench compute int4 batch 1 on 2 threads, 5.4-5.7 -> 6.3-6.8 GB/s median). */
 #define PAIRS_CHUNK_MUL 4
 
+/* A job of one or two linears (an expert's gate and up share their input): its row blocks,
+ * the first linear's then the second's, cut into chunks that shrink towards the end
+ * (guided: a chunk is 1 / (2 threads) of what is left, at most bpc blocks and at least an
+ * eighth of that), so that the threads finish together -- with equal chunks the last one
+ * leaves the other threads idle for up to a chunk (128 KiB of int4 rows, ~20 us). A chunk
+ * never spans the two linears. */
+#define LINEAR_MAX_CHUNKS 1024
+typedef struct {
+    linear_ctx *k[2];
+    int64_t nb0;                             /* blocks of the first linear */
+    int64_t start[LINEAR_MAX_CHUNKS + 1];    /* chunk c: blocks [start[c], start[c + 1]) of the job */
+} linear_job;
+
+static int64_t plan_chunks(int64_t *start, int64_t nb0, int64_t nb1, int64_t bpc, int nthreads) {
+    const int64_t nb = nb0 + nb1;
+    if (nb / bpc > LINEAR_MAX_CHUNKS / 2) bpc = nb / (LINEAR_MAX_CHUNKS / 2) + 1; /* huge matrices: fewer, bigger */
+    const int64_t lo = bpc / 8 > 0 ? bpc / 8 : 1;
+    int64_t n = 0, b = 0;
+    while (b < nb) {
+        int64_t sz = (nb - b + 2 * nthreads - 1) / (2 * nthreads);
+        sz = sz > bpc ? bpc : sz < lo ? lo : sz;
+        int64_t e = b + sz > nb ? nb : b + sz;
+        if (b < nb0 && e > nb0) e = nb0; /* never across the two linears */
+        start[n++] = b;
+        b = e;
+    }
+    start[n] = nb;
+    return n;
+}
+
 static void linear_chunk(void *ctx, int64_t chunk) {
-    linear_ctx *k = ctx;
-    const int64_t nb = (k->w->rows + RB - 1) / RB;
-    const int64_t b0 = chunk * k->blocks_per_chunk;
-    const int64_t b1 = b0 + k->blocks_per_chunk < nb ? b0 + k->blocks_per_chunk : nb;
+    linear_job *j = ctx;
+    int64_t b0 = j->start[chunk], b1 = j->start[chunk + 1];
+    linear_ctx *k = j->k[0];
+    if (b0 >= j->nb0) {
+        k = j->k[1];
+        b0 -= j->nb0;
+        b1 -= j->nb0;
+    }
     float *buf = mt_scratch(4, (size_t)(RB * k->blen + MT_STATE_TOKENS * RB * 16));
     if (!buf) {
         atomic_store(&k->failed, 1);
@@ -102,30 +136,63 @@ static void linear_chunk(void *ctx, int64_t chunk) {
     for (int64_t b = b0; b < b1; b++) k->isa->linear_block(k, b * RB, buf);
 }
 
+/* Whether the ISA's int4 kernels read x's columns in an order of their own for w (linear_ctx.xp). */
+static int xp_wanted(const mt_isa *isa, int64_t T, const qmat *w) {
+    const int64_t xp_mult = isa->xp_order == MT_XP_PAIRS32 ? 32 : isa->xp_order == MT_XP_HALVES16 ? 16 : 0;
+    /* pairs: one token; halves: every token */
+    return xp_mult && (T == 1 || isa->xp_order == MT_XP_HALVES16) && w->dtype == DT_INT4 && w->cols % xp_mult == 0 &&
+           w->g % xp_mult == 0;
+}
+
+/* x's columns in that order, in scratch slot `slot` (NULL: no memory) */
+static float *xp_fill(const mt_isa *isa, const float *x, int64_t T, int64_t C, int slot) {
+    float *xp = mt_scratch(slot, (size_t)(T * C));
+    if (xp)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < C; j++)
+                xp[t * C + j] = x[t * C + (isa->xp_order == MT_XP_PAIRS32 ? mt_int4_pairs_src(j) : mt_int4_halves_src(j))];
+    return xp;
+}
+
+/* about 32 KiB of weights per chunk: small enough to balance, big enough to amortise */
+static int64_t blocks_per_chunk(const qmat *w, int64_t T, int pairs) {
+    int64_t bpc = (32 << 10) / (RB * (w->row_bytes > 0 ? w->row_bytes : 1));
+    if (T > TBMAX) bpc = bpc * TBMAX / T; /* keep chunks near equal work at large T */
+    if (bpc < 1) bpc = 1;
+    return pairs ? bpc * PAIRS_CHUNK_MUL : bpc;
+}
+
+/* y[t, r] = dot(x[t], w[r], C) (+ bias[r]) for one linear, or for two (w2: NULL or a second
+ * weight of the same columns, y2 its output, no bias) in one job.  x [T, C], y [T, R]. Returns
+ * 0 or -1 (no memory). */
+static int linear_job_run(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
+                          float *y, const qmat *w2, float *y2) {
+    float *xp = NULL, *xp2 = NULL;
+    if (xp_wanted(isa, T, w) && !(xp = xp_fill(isa, x, T, w->cols, 3))) return -1;
+    if (w2 && xp_wanted(isa, T, w2)) { /* the same columns: the same order (an expert's gate and up) */
+        xp2 = xp && w2->cols == w->cols ? xp : xp_fill(isa, x, T, w2->cols, 2);
+        if (!xp2) return -1;
+    }
+    linear_ctx k1 = {isa, x, T, mt_rowbuf_len(w), w, bias, y, 0, xp};
+    linear_ctx k2 = {isa, x, T, w2 ? mt_rowbuf_len(w2) : 0, w2, NULL, y2, 0, xp2};
+    linear_job *j = mt_xalloc(sizeof(linear_job));
+    if (!j) return -1;
+    j->k[0] = &k1;
+    j->k[1] = &k2;
+    j->nb0 = (w->rows + RB - 1) / RB;
+    const int64_t nb1 = w2 ? (w2->rows + RB - 1) / RB : 0;
+    const int64_t bpc = blocks_per_chunk(w, T, T == 1 && xp != NULL);
+    const int64_t nchunks = plan_chunks(j->start, j->nb0, nb1, bpc, nthreads > 1 ? nthreads : 1);
+    mt_pool_run(nthreads, nchunks, linear_chunk, j);
+    free(j);
+    return atomic_load(&k1.failed) || atomic_load(&k2.failed) ? -1 : 0;
+}
+
 /* y[t, r] = dot(x[t], w[r], C) (+ bias[r]).  x [T, C], y [T, R]. Returns 0 or -1 (no memory). */
 int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
               float *y) {
     if (isa->linear_many && T >= isa->many_min) return isa->linear_many(nthreads, x, T, w, bias, y);
-    const int64_t nb = (w->rows + RB - 1) / RB;
-    /* about 32 KiB of weights per chunk: small enough to balance, big enough to amortise */
-    int64_t bpc = (32 << 10) / (RB * (w->row_bytes > 0 ? w->row_bytes : 1));
-    if (T > TBMAX) bpc = bpc * TBMAX / T; /* keep chunks near equal work at large T */
-    if (bpc < 1) bpc = 1;
-    float *xp = NULL;
-    const int64_t xp_mult = isa->xp_order == MT_XP_PAIRS32 ? 32 : isa->xp_order == MT_XP_HALVES16 ? 16 : 0;
-    /* pairs: one token; halves: every token */
-    if (xp_mult && (T == 1 || isa->xp_order == MT_XP_HALVES16) && w->dtype == DT_INT4 && w->cols % xp_mult == 0 &&
-        w->g % xp_mult == 0) {
-        const int64_t C = w->cols;
-        if (!(xp = mt_scratch(3, (size_t)(T * C)))) return -1;
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = 0; j < C; j++)
-                xp[t * C + j] = x[t * C + (isa->xp_order == MT_XP_PAIRS32 ? mt_int4_pairs_src(j) : mt_int4_halves_src(j))];
-        if (T == 1) bpc *= PAIRS_CHUNK_MUL;
-    }
-    linear_ctx k = {isa, x, T, bpc, mt_rowbuf_len(w), w, bias, y, 0, xp};
-    mt_pool_run(nthreads, (nb + bpc - 1) / bpc, linear_chunk, &k);
-    return atomic_load(&k.failed) ? -1 : 0;
+    return linear_job_run(isa, nthreads, x, T, w, bias, y, NULL, NULL);
 }
 
 /* SwiGLU expert: y = down(silu(gate x) * up x). x [T, D], y [T, D]. */
@@ -134,8 +201,13 @@ int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qma
     const int64_t I = gate->rows;
     float *hg = mt_xalloc((size_t)(T * I) * 4), *hu = mt_xalloc((size_t)(T * I) * 4);
     int rc = -1;
-    if (hg && hu && mt_linear(isa, nthreads, x, T, gate, NULL, hg) == 0 &&
-        mt_linear(isa, nthreads, x, T, up, NULL, hu) == 0) {
+    if (hg && hu) {
+        if (isa->linear_many && T >= isa->many_min) /* the outer-product path: one linear at a time */
+            rc = mt_linear(isa, nthreads, x, T, gate, NULL, hg) == 0 && mt_linear(isa, nthreads, x, T, up, NULL, hu) == 0 ? 0 : -1;
+        else
+            rc = linear_job_run(isa, nthreads, x, T, gate, NULL, hg, up, hu);
+    }
+    if (rc == 0) {
         isa->swiglu(hg, hu, T * I); /* silu(g) * u as the reference writes it */
         rc = mt_linear(isa, nthreads, hg, T, down, NULL, y);
     }
