@@ -158,10 +158,9 @@ typedef struct mt_isa {
      * returns 0 or -1 (no memory) */
     int (*linear_many)(int nthreads, const float *x, int64_t T, const qmat *w, const float *bias, float *y);
     int64_t many_min;
-    /* MT_XP_PAIRS32: its linear_block reads linear_ctx.xp for one token of int4 weights
-     * whose columns and group size are multiples of 32; MT_XP_HALVES16: for any number of
-     * tokens ([T][C]) of int4 weights whose columns and group size are multiples of 16
-     * (mt_linear makes it) */
+    /* its linear_block reads linear_ctx.xp ([T][C], every token) for int4 weights whose
+     * columns and group size are multiples of 32 (MT_XP_PAIRS32) or 16 (MT_XP_HALVES16);
+     * mt_linear makes it */
     int xp_order;
     /* optional: rows [r0, r0 + n) of every token under the int8-activation contract (NULL:
      * the generic one) */

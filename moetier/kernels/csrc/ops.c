@@ -137,11 +137,10 @@ static void linear_chunk(void *ctx, int64_t chunk) {
 }
 
 /* Whether the ISA's int4 kernels read x's columns in an order of their own for w (linear_ctx.xp). */
-static int xp_wanted(const mt_isa *isa, int64_t T, const qmat *w) {
+static int xp_wanted(const mt_isa *isa, const qmat *w) {
     const int64_t xp_mult = isa->xp_order == MT_XP_PAIRS32 ? 32 : isa->xp_order == MT_XP_HALVES16 ? 16 : 0;
-    /* pairs: one token; halves: every token */
-    return xp_mult && (T == 1 || isa->xp_order == MT_XP_HALVES16) && w->dtype == DT_INT4 && w->cols % xp_mult == 0 &&
-           w->g % xp_mult == 0;
+    /* every token count of the job path (the outer-product paths copy x their own way) */
+    return xp_mult && w->dtype == DT_INT4 && w->cols % xp_mult == 0 && w->g % xp_mult == 0;
 }
 
 /* x's columns in that order, in scratch slot `slot` (NULL: no memory) */
@@ -168,8 +167,8 @@ static int64_t blocks_per_chunk(const qmat *w, int64_t T, int pairs) {
 static int linear_job_run(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
                           float *y, const qmat *w2, float *y2) {
     float *xp = NULL, *xp2 = NULL;
-    if (xp_wanted(isa, T, w) && !(xp = xp_fill(isa, x, T, w->cols, 3))) return -1;
-    if (w2 && xp_wanted(isa, T, w2)) { /* the same columns: the same order (an expert's gate and up) */
+    if (xp_wanted(isa, w) && !(xp = xp_fill(isa, x, T, w->cols, 3))) return -1;
+    if (w2 && xp_wanted(isa, w2)) { /* the same columns: the same order (an expert's gate and up) */
         xp2 = xp && w2->cols == w->cols ? xp : xp_fill(isa, x, T, w2->cols, 2);
         if (!xp2) return -1;
     }
