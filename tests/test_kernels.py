@@ -282,7 +282,7 @@ def test_every_simd_path_gives_the_portable_bits(path: str) -> None:
     for dtype in DTYPES:
         for rows, cols, g in ((1, 16, 16), (5, 33, 32), (9, 64, 64), (7, 100, 64), (13, 130, 32), (4, 47, 10),
                               (6, 96, 48), (11, 200, 6), (3, 8, 8), (17, 2048, 64), (8, 96, 32), (12, 384, 128),
-                              (8, 1408, 64), (4, 2048, 256), (6, 544, 32)):
+                              (8, 1408, 64), (4, 2048, 256), (6, 544, 32), (8, 32, 64), (4, 96, 64)):
             w = quantize(rand(rng, rows, cols), dtype, g)  # type: ignore[arg-type]
             bias = rand(rng, rows) if rows % 2 else None
             for t in (*range(1, 14), 17):

@@ -139,8 +139,9 @@ static void linear_chunk(void *ctx, int64_t chunk) {
 /* Whether the ISA's int4 kernels read x's columns in an order of their own for w (linear_ctx.xp). */
 static int xp_wanted(const mt_isa *isa, const qmat *w) {
     const int64_t xp_mult = isa->xp_order == MT_XP_PAIRS32 ? 32 : isa->xp_order == MT_XP_HALVES16 ? 16 : 0;
-    /* every token count of the job path (the outer-product paths copy x their own way) */
-    return xp_mult && w->dtype == DT_INT4 && w->cols % xp_mult == 0 && w->g % xp_mult == 0;
+    /* every token count of the job path (the outer-product paths copy x their own way); whole
+     * groups only (a group wider than the row, g > C, would have those kernels read x past C) */
+    return xp_mult && w->dtype == DT_INT4 && w->cols % xp_mult == 0 && w->g % xp_mult == 0 && w->cols % w->g == 0;
 }
 
 /* x's columns in that order, in scratch slot `slot` (NULL: no memory) */
