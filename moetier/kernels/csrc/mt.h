@@ -268,9 +268,8 @@ float mt_hsum16(const float *a);
 
 void *mt_xalloc(size_t bytes);
 /* A per-thread buffer of at least `floats` floats, kept for the thread's next calls (slots
- * 0..7 are independent buffers, each used by one kernel: 0-2 the outer-product panels
- * (2 also x in a second int4 order, see ops.c: the two never meet in one call), 3 x in an
- * int4 order or the int8-activation scales, 4 linear row blocks, 5 attention scores of one token,
+ * 0..7 are independent buffers, each used by one kernel: 0-2 the outer-product panels,
+ * 3 x in an int4 order or the int8-activation scales, 4 linear row blocks, 5 attention scores of one token,
  * 6-7 the queries and scores of a block of tokens); NULL when out of memory. */
 float *mt_scratch(int slot, size_t floats);
 int64_t mt_rowbuf_len(const qmat *w);

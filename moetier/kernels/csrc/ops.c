@@ -111,6 +111,7 @@ static int64_t plan_chunks(int64_t *start, int64_t nb0, int64_t nb1, int64_t bpc
         int64_t sz = (nb - b + 2 * nthreads - 1) / (2 * nthreads);
         sz = sz > bpc ? bpc : sz < lo ? lo : sz;
         int64_t e = b + sz > nb ? nb : b + sz;
+        if (n >= LINEAR_MAX_CHUNKS - 2) e = nb;  /* very many threads: the rest in (at most) two chunks */
         if (b < nb0 && e > nb0) e = nb0; /* never across the two linears */
         start[n++] = b;
         b = e;
@@ -163,35 +164,33 @@ static int64_t blocks_per_chunk(const qmat *w, int64_t T, int pairs) {
 }
 
 /* y[t, r] = dot(x[t], w[r], C) (+ bias[r]) for one linear, or for two (w2: NULL or a second
- * weight of the same columns, y2 its output, no bias) in one job.  x [T, C], y [T, R]. Returns
- * 0 or -1 (no memory). */
+ * weight of the same columns, y2 its output, no bias) in one job -- or one after the other on
+ * the ISA's outer-product path, from many_min tokens.  x [T, C], y [T, R]. Returns 0 or -1
+ * (no memory). */
 static int linear_job_run(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
                           float *y, const qmat *w2, float *y2) {
+    if (isa->linear_many && T >= isa->many_min)
+        return isa->linear_many(nthreads, x, T, w, bias, y) == 0 &&
+                       (!w2 || isa->linear_many(nthreads, x, T, w2, NULL, y2) == 0)
+                   ? 0
+                   : -1;
     float *xp = NULL, *xp2 = NULL;
     if (xp_wanted(isa, w) && !(xp = xp_fill(isa, x, T, w->cols, 3))) return -1;
-    if (w2 && xp_wanted(isa, w2)) { /* the same columns: the same order (an expert's gate and up) */
-        xp2 = xp && w2->cols == w->cols ? xp : xp_fill(isa, x, T, w2->cols, 2);
-        if (!xp2) return -1;
-    }
+    /* the same columns, so the same order (an expert's gate and up) */
+    if (w2 && xp_wanted(isa, w2) && !(xp2 = xp ? xp : xp_fill(isa, x, T, w2->cols, 3))) return -1;
     linear_ctx k1 = {isa, x, T, mt_rowbuf_len(w), w, bias, y, 0, xp};
     linear_ctx k2 = {isa, x, T, w2 ? mt_rowbuf_len(w2) : 0, w2, NULL, y2, 0, xp2};
-    linear_job *j = mt_xalloc(sizeof(linear_job));
-    if (!j) return -1;
-    j->k[0] = &k1;
-    j->k[1] = &k2;
-    j->nb0 = (w->rows + RB - 1) / RB;
+    linear_job j = {{&k1, &k2}, (w->rows + RB - 1) / RB, {0}};
     const int64_t nb1 = w2 ? (w2->rows + RB - 1) / RB : 0;
     const int64_t bpc = blocks_per_chunk(w, T, T == 1 && xp != NULL);
-    const int64_t nchunks = plan_chunks(j->start, j->nb0, nb1, bpc, nthreads > 1 ? nthreads : 1);
-    mt_pool_run(nthreads, nchunks, linear_chunk, j);
-    free(j);
+    const int64_t nchunks = plan_chunks(j.start, j.nb0, nb1, bpc, nthreads > 1 ? nthreads : 1);
+    mt_pool_run(nthreads, nchunks, linear_chunk, &j);
     return atomic_load(&k1.failed) || atomic_load(&k2.failed) ? -1 : 0;
 }
 
 /* y[t, r] = dot(x[t], w[r], C) (+ bias[r]).  x [T, C], y [T, R]. Returns 0 or -1 (no memory). */
 int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
               float *y) {
-    if (isa->linear_many && T >= isa->many_min) return isa->linear_many(nthreads, x, T, w, bias, y);
     return linear_job_run(isa, nthreads, x, T, w, bias, y, NULL, NULL);
 }
 
@@ -201,12 +200,7 @@ int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qma
     const int64_t I = gate->rows;
     float *hg = mt_xalloc((size_t)(T * I) * 4), *hu = mt_xalloc((size_t)(T * I) * 4);
     int rc = -1;
-    if (hg && hu) {
-        if (isa->linear_many && T >= isa->many_min) /* the outer-product path: one linear at a time */
-            rc = mt_linear(isa, nthreads, x, T, gate, NULL, hg) == 0 && mt_linear(isa, nthreads, x, T, up, NULL, hu) == 0 ? 0 : -1;
-        else
-            rc = linear_job_run(isa, nthreads, x, T, gate, NULL, hg, up, hu);
-    }
+    if (hg && hu) rc = linear_job_run(isa, nthreads, x, T, gate, NULL, hg, up, hu);
     if (rc == 0) {
         isa->swiglu(hg, hu, T * I); /* silu(g) * u as the reference writes it */
         rc = mt_linear(isa, nthreads, hg, T, down, NULL, y);
