@@ -241,6 +241,34 @@ def test_moe_in_waves_of_experts_gives_the_same_bits(ops: FastOps) -> None:
         ops.expert_outputs(x, ids, ex, np.zeros((t, d, k), np.float32).transpose(0, 2, 1))
 
 
+def test_experts_computed_together_give_each_experts_own_bits(ops: FastOps) -> None:
+    """A layer's experts go to the kernels together (one job for every gate and up, one for
+    every down, in groups of 32): each slot holds the bits of its expert run alone on its
+    row -- with more experts than a group, one expert with enough rows for the batched path,
+    a duplicate id in a row, an unrouted slot (-1), an expert not given, and a biased expert
+    (computed apart) among them."""
+    rng = np.random.default_rng(27)
+    d, i, ne, t, k = 64, 96, 40, 48, 4
+    ex = experts_of(rng, ne, d, i, "int4", 32)
+    act = ExpertAct("clamped_swiglu", 1.702, 7.0)
+    ex[5] = ExpertWeights(ex[5].gate, ex[5].up, ex[5].down, rand(rng, i), rand(rng, i), rand(rng, d), act)
+    x = rand(rng, t, d)
+    ids = rng.integers(0, ne, (t, k)).astype(np.int32)
+    ids[:40, 0] = 7  # 40 rows on one expert
+    ids[3, 2] = ids[3, 1]  # a duplicate in a row
+    ids[4, 3] = -1  # unrouted
+    given = {e: w for e, w in ex.items() if e != 11}
+    out = np.full((t, k, d), 7.5, dtype=np.float32)
+    ops.expert_outputs(x, ids, given, out)
+    for r in range(t):
+        for j in range(k):
+            e = int(ids[r, j])
+            if e in given:
+                assert same_bits(out[r, j], ops.expert_ffn(x[r : r + 1], given[e])[0]), (r, j, e)
+            else:
+                assert (out[r, j] == 7.5).all(), (r, j, e)
+
+
 # ---------------------------------------------------------------- backends agree bit for bit
 
 

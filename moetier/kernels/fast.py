@@ -41,7 +41,7 @@ Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "nu
 BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "mxfp4": 4}
 
-C_KERNELS_VERSION = 8  # MT_KERNELS_VERSION in csrc/mt.h
+C_KERNELS_VERSION = 9  # MT_KERNELS_VERSION in csrc/mt.h
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
@@ -255,6 +255,15 @@ class _CBackend:
         hg, hu = _hidden(self, x, w)
         self.mod.glu_clamped(hg, hu, hg.size, w.act.alpha, w.act.limit)
         self.linear(hg, w.down, w.down_bias, out)
+
+    def experts(self, x: F32, ids: npt.NDArray[np.int64], out: F32,
+                listed: list[tuple[int, ExpertWeights]]) -> None:
+        """out[t, k] = FFN_e(x[t]) where ids[t, k] = e, for the listed plain experts, in one
+        call (their few rows each share the pool's jobs)."""
+        t, d = x.shape
+        specs = [(e, w.gate.shape[0], _spec(w.gate, "gate")[2], _spec(w.up, "up")[2], _spec(w.down, "down")[2])
+                 for e, w in listed]
+        self.mod.experts(x, t, d, ids, ids.shape[1], out, specs, self.isa, self.threads, self.int8)
 
     def rmsnorm(self, x: F32, weight: F32, eps: float, out: F32) -> None:
         self.mod.rmsnorm(x, x.shape[0], x.shape[1], weight, eps, out, self.isa)
@@ -508,19 +517,23 @@ class FastOps:
         k = ids.shape[1]
         ys = out.reshape(t * k, d)  # a view: row t*K + j = slot j of row t
         flat = ids.reshape(-1)
-        order = np.argsort(flat, kind="stable")
-        uniq, starts = np.unique(flat[order], return_index=True)
-        bounds = [*starts.tolist(), flat.size]
-        for n, e in enumerate(uniq.tolist()):
+        plain: list[tuple[int, ExpertWeights]] = []
+        for e in np.unique(flat).tolist():
             w = experts.get(e)
             if w is None:
                 continue
             _check_expert(w, e, d)
-            slots = order[bounds[n] : bounds[n + 1]]  # flat (row, slot) positions, rows ascending
+            if isinstance(self._k, _CBackend) and _plain(w):
+                plain.append((e, w))
+                continue
+            slots = np.flatnonzero(flat == e)  # flat (row, slot) positions, rows ascending
             xe = np.ascontiguousarray(x[slots // k])  # [n, D]
             ye = np.empty_like(xe)
             self._k.ffn(xe, w, ye)
             ys[slots] = ye
+        if plain:
+            assert isinstance(self._k, _CBackend)
+            self._k.experts(x, np.ascontiguousarray(ids, dtype=np.int64), out, plain)
 
 
 def _probe_isa(ops: FastOps) -> int:

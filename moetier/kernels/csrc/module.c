@@ -9,14 +9,34 @@
 
 #include "mt.h"
 
+/* The buffers one call holds: a few in place, more (a layer's experts) on the heap. */
 typedef struct {
-    Py_buffer views[16];
-    int n;
+    Py_buffer small[16];
+    Py_buffer *more;
+    int n, cap;
 } bufset;
 
+static Py_buffer *bufset_next(bufset *bs) {
+    if (bs->n < 16) return &bs->small[bs->n];
+    if (bs->n - 16 >= bs->cap) {
+        const int cap = bs->cap ? 2 * bs->cap : 64;
+        Py_buffer *m = PyMem_Realloc(bs->more, (size_t)cap * sizeof(Py_buffer));
+        if (!m) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        bs->more = m;
+        bs->cap = cap;
+    }
+    return &bs->more[bs->n - 16];
+}
+
 static void bufset_release(bufset *bs) {
-    for (int i = 0; i < bs->n; i++) PyBuffer_Release(&bs->views[i]);
+    for (int i = 0; i < bs->n; i++) PyBuffer_Release(i < 16 ? &bs->small[i] : &bs->more[i - 16]);
     bs->n = 0;
+    PyMem_Free(bs->more);
+    bs->more = NULL;
+    bs->cap = 0;
 }
 
 static void *get_buf(bufset *bs, PyObject *obj, int64_t need, int writable, const char *what) {
@@ -24,7 +44,8 @@ static void *get_buf(bufset *bs, PyObject *obj, int64_t need, int writable, cons
         PyErr_Format(PyExc_ValueError, "%s is missing", what);
         return NULL;
     }
-    Py_buffer *v = &bs->views[bs->n];
+    Py_buffer *v = bufset_next(bs);
+    if (!v) return NULL;
     if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return NULL;
     bs->n++;
     if (v->len < need) {
@@ -149,6 +170,96 @@ static PyObject *py_ffn(PyObject *self, PyObject *args) {
 fail:
     bufset_release(&bs);
     return NULL;
+}
+
+/* out[t, k] = FFN_e(x[t]) for every (t, k) with ids[t, k] = e of a listed expert e (other
+ * slots untouched): each expert's rows gathered in (t, k) order, all experts computed by one
+ * mt_ffn_many (int8 activations: mt_ffn_q8 one by one), the rows scattered back. */
+static PyObject *py_experts(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *io, *yo, *specs;
+    long long T, D, K;
+    int isa_i, nthreads, q8 = 0;
+    if (!PyArg_ParseTuple(args, "OLLOLOO!ii|p", &xo, &T, &D, &io, &K, &yo, &PyList_Type, &specs, &isa_i,
+                          &nthreads, &q8))
+        return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(specs);
+    bufset bs = {.n = 0};
+    qmat *w = PyMem_Calloc((size_t)(3 * n + 1), sizeof(qmat));
+    mt_expert *ex = PyMem_Calloc((size_t)(n + 1), sizeof(mt_expert));
+    long long *eid = PyMem_Calloc((size_t)(n + 1), sizeof(long long));
+    int64_t *pos = PyMem_Malloc((size_t)(T * K + 1) * sizeof(int64_t));
+    float *xs = NULL, *ys = NULL;
+    const float *x;
+    const int64_t *ids;
+    float *y;
+    PyObject *ret = NULL;
+    int rc = 0;
+    if (!w || !ex || !eid || !pos) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    if (!(x = get_buf(&bs, xo, T * D * 4, 0, "x")) || !(ids = get_buf(&bs, io, T * K * 8, 0, "ids")) ||
+        !(y = get_buf(&bs, yo, T * K * D * 4, 1, "out")))
+        goto fail;
+    for (Py_ssize_t e = 0; e < n; e++) {
+        long long I;
+        PyObject *gs, *us, *ds;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(specs, e), "LLOOO", &eid[e], &I, &gs, &us, &ds)) goto fail;
+        if (parse_qmat(&bs, gs, I, D, &w[3 * e], "gate") < 0 || parse_qmat(&bs, us, I, D, &w[3 * e + 1], "up") < 0 ||
+            parse_qmat(&bs, ds, D, I, &w[3 * e + 2], "down") < 0)
+            goto fail;
+    }
+    /* each expert's slots, in (t, k) order */
+    int64_t nrows = 0;
+    for (Py_ssize_t e = 0; e < n; e++) {
+        ex[e].T = 0;
+        for (int64_t s = 0; s < T * K; s++)
+            if (ids[s] == eid[e]) pos[nrows + ex[e].T++] = s;
+        nrows += ex[e].T;
+    }
+    xs = PyMem_Malloc((size_t)(nrows * D + 1) * 4);
+    ys = PyMem_Malloc((size_t)(nrows * D + 1) * 4);
+    if (!xs || !ys) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    int64_t r = 0;
+    for (Py_ssize_t e = 0; e < n; e++) {
+        ex[e].x = xs + r * D;
+        ex[e].y = ys + r * D;
+        ex[e].gate = &w[3 * e];
+        ex[e].up = &w[3 * e + 1];
+        ex[e].down = &w[3 * e + 2];
+        for (int64_t i = 0; i < ex[e].T; i++) memcpy(xs + (r + i) * D, x + (pos[r + i] / K) * D, (size_t)D * 4);
+        r += ex[e].T;
+    }
+    if (q8) {
+        for (Py_ssize_t e = 0; e < n && rc == 0; e++)
+            if (ex[e].T) rc = mt_ffn_q8(isa, nthreads, ex[e].x, ex[e].T, ex[e].gate, ex[e].up, ex[e].down, ex[e].y);
+    } else {
+        rc = mt_ffn_many(isa, nthreads, n, ex);
+    }
+    if (rc == 0)
+        for (int64_t i = 0; i < nrows; i++) memcpy(y + pos[i] * D, ys + i * D, (size_t)D * 4);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) PyErr_NoMemory();
+    else {
+        Py_INCREF(Py_None);
+        ret = Py_None;
+    }
+fail:
+    bufset_release(&bs);
+    PyMem_Free(w);
+    PyMem_Free(ex);
+    PyMem_Free(eid);
+    PyMem_Free(pos);
+    PyMem_Free(xs);
+    PyMem_Free(ys);
+    return ret;
 }
 
 static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
@@ -336,6 +447,9 @@ static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
      "linear(x, T, C, R, (dtype, data, scales, g), bias, out, isa, threads, int8_activations=False)"},
     {"ffn", py_ffn, METH_VARARGS, "ffn(x, T, D, I, gate, up, down, out, isa, threads, int8_activations=False)"},
+    {"experts", py_experts, METH_VARARGS,
+     "experts(x, T, D, ids, K, out, [(e, I, gate, up, down)], isa, threads, int8_activations=False): "
+     "out[t, k] = FFN_e(x[t]) where ids[t, k] = e, for the listed experts"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, T, C, weight, eps, out, isa)"},
     {"softmax", py_softmax, METH_VARARGS, "softmax(x, T, N, out, isa)"},
     {"attention", py_attention, METH_VARARGS,

@@ -74,7 +74,7 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 8
+#define MT_KERNELS_VERSION 9
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
@@ -277,6 +277,16 @@ int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const 
               float *y);
 int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
            const qmat *down, float *y);
+/* Many experts, each y = down(silu(gate x) * up x) on its own rows (x [T, D], y [T, D]);
+ * the same bits as mt_ffn on each, computed together (few-token experts share the pool's
+ * jobs). Returns 0 or -1 (no memory). */
+typedef struct {
+    const float *x;
+    int64_t T;
+    const qmat *gate, *up, *down;
+    float *y;
+} mt_expert;
+int mt_ffn_many(const mt_isa *isa, int nthreads, int64_t n, const mt_expert *ex);
 /* The same under the int8-activation contract (weights outside it: the exact kernels). */
 int mt_linear_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
                  float *y);

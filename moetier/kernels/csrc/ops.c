@@ -89,46 +89,53 @@ int64_t mt_rowbuf_len(const qmat *w) {
  * (measured: bench compute int4 batch 1 on 2 threads, 5.4-5.7 -> 6.3-6.8 GB/s median). */
 #define PAIRS_CHUNK_MUL 4
 
-/* A job of one or two linears (an expert's gate and up share their input): its row blocks,
- * the first linear's then the second's, cut into chunks that shrink towards the end
- * (guided: a chunk is 1 / (2 threads) of what is left, at most bpc blocks and at least an
- * eighth of that), so that the threads finish together -- with equal chunks the last one
- * leaves the other threads idle for up to a chunk (128 KiB of int4 rows, ~20 us). A chunk
- * never spans the two linears. */
+/* A job of one or more linears (an expert's gate and up share their input; a layer's
+ * experts run in one job): their row blocks, linear after linear, cut into chunks that
+ * shrink towards the end (guided: a chunk is 1 / (2 threads) of what is left, at most its
+ * linear's bpc blocks and at least an eighth of that), so that the threads finish together --
+ * with equal chunks the last one leaves the other threads idle for up to a chunk (128 KiB of
+ * int4 rows, ~20 us). A chunk never spans two linears. */
 #define LINEAR_MAX_CHUNKS 1024
+#define LINEAR_MAX_K 64 /* linears per job */
 typedef struct {
-    linear_ctx *k[2];
-    int64_t nb0;                             /* blocks of the first linear */
-    int64_t start[LINEAR_MAX_CHUNKS + 1];    /* chunk c: blocks [start[c], start[c + 1]) of the job */
+    linear_ctx *k[LINEAR_MAX_K];
+    int64_t start[LINEAR_MAX_CHUNKS], end[LINEAR_MAX_CHUNKS]; /* chunk c: blocks [start[c], end[c]) */
+    uint8_t which[LINEAR_MAX_CHUNKS];                         /* of linear which[c] */
 } linear_job;
 
-static int64_t plan_chunks(int64_t *start, int64_t nb0, int64_t nb1, int64_t bpc, int nthreads) {
-    const int64_t nb = nb0 + nb1;
-    if (nb / bpc > LINEAR_MAX_CHUNKS / 2) bpc = nb / (LINEAR_MAX_CHUNKS / 2) + 1; /* huge matrices: fewer, bigger */
-    const int64_t lo = bpc / 8 > 0 ? bpc / 8 : 1;
-    int64_t n = 0, b = 0;
-    while (b < nb) {
-        int64_t sz = (nb - b + 2 * nthreads - 1) / (2 * nthreads);
-        sz = sz > bpc ? bpc : sz < lo ? lo : sz;
-        int64_t e = b + sz > nb ? nb : b + sz;
-        if (n >= LINEAR_MAX_CHUNKS - 2) e = nb;  /* very many threads: the rest in (at most) two chunks */
-        if (b < nb0 && e > nb0) e = nb0; /* never across the two linears */
-        start[n++] = b;
-        b = e;
+/* The chunks of nk <= LINEAR_MAX_K linears of nb[i] blocks, at most bpc[i] blocks a chunk. */
+static int64_t plan_chunks(linear_job *j, const int64_t *nb, const int64_t *bpc_in, int nk, int nthreads) {
+    int64_t total = 0, est = 0, scale = 1;
+    for (int i = 0; i < nk; i++) {
+        total += nb[i];
+        est += nb[i] / bpc_in[i];
     }
-    start[n] = nb;
+    /* huge matrices: fewer, bigger chunks */
+    if (est > (LINEAR_MAX_CHUNKS - 2 * LINEAR_MAX_K) / 2) scale = est / ((LINEAR_MAX_CHUNKS - 2 * LINEAR_MAX_K) / 2) + 1;
+    int64_t n = 0, done = 0;
+    for (int i = 0; i < nk; i++) {
+        const int64_t bpc = bpc_in[i] * scale, lo = bpc / 8 > 0 ? bpc / 8 : 1;
+        int64_t b = 0;
+        while (b < nb[i]) {
+            int64_t sz = (total - done - b + 2 * nthreads - 1) / (2 * nthreads);
+            sz = sz > bpc ? bpc : sz < lo ? lo : sz;
+            int64_t e = b + sz > nb[i] ? nb[i] : b + sz;
+            if (n >= LINEAR_MAX_CHUNKS - 2 * (nk - i)) e = nb[i]; /* the rest of this linear in one chunk */
+            j->start[n] = b;
+            j->end[n] = e;
+            j->which[n] = (uint8_t)i;
+            n++;
+            b = e;
+        }
+        done += nb[i];
+    }
     return n;
 }
 
 static void linear_chunk(void *ctx, int64_t chunk) {
     linear_job *j = ctx;
-    int64_t b0 = j->start[chunk], b1 = j->start[chunk + 1];
-    linear_ctx *k = j->k[0];
-    if (b0 >= j->nb0) {
-        k = j->k[1];
-        b0 -= j->nb0;
-        b1 -= j->nb0;
-    }
+    const int64_t b0 = j->start[chunk], b1 = j->end[chunk];
+    linear_ctx *k = j->k[j->which[chunk]];
     float *buf = mt_scratch(4, (size_t)(RB * k->blen + MT_STATE_TOKENS * RB * 16));
     if (!buf) {
         atomic_store(&k->failed, 1);
@@ -145,13 +152,17 @@ static int xp_wanted(const mt_isa *isa, const qmat *w) {
     return xp_mult && w->dtype == DT_INT4 && w->cols % xp_mult == 0 && w->g % xp_mult == 0 && w->cols % w->g == 0;
 }
 
-/* x's columns in that order, in scratch slot `slot` (NULL: no memory) */
+/* x's columns in that order into xp [T, C] */
+static void xp_order_into(const mt_isa *isa, const float *x, int64_t T, int64_t C, float *xp) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < C; j++)
+            xp[t * C + j] = x[t * C + (isa->xp_order == MT_XP_PAIRS32 ? mt_int4_pairs_src(j) : mt_int4_halves_src(j))];
+}
+
+/* ... in scratch slot `slot` (NULL: no memory) */
 static float *xp_fill(const mt_isa *isa, const float *x, int64_t T, int64_t C, int slot) {
     float *xp = mt_scratch(slot, (size_t)(T * C));
-    if (xp)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = 0; j < C; j++)
-                xp[t * C + j] = x[t * C + (isa->xp_order == MT_XP_PAIRS32 ? mt_int4_pairs_src(j) : mt_int4_halves_src(j))];
+    if (xp) xp_order_into(isa, x, T, C, xp);
     return xp;
 }
 
@@ -161,6 +172,22 @@ static int64_t blocks_per_chunk(const qmat *w, int64_t T, int pairs) {
     if (T > TBMAX) bpc = bpc * TBMAX / T; /* keep chunks near equal work at large T */
     if (bpc < 1) bpc = 1;
     return pairs ? bpc * PAIRS_CHUNK_MUL : bpc;
+}
+
+/* Run nk linear contexts (each with its x, xp, w, bias, y set) as one job. 0 or -1 (no memory). */
+static int linears_run(int nthreads, linear_ctx *k, int nk) {
+    linear_job j;
+    int64_t nb[LINEAR_MAX_K], bpc[LINEAR_MAX_K];
+    for (int i = 0; i < nk; i++) {
+        j.k[i] = &k[i];
+        nb[i] = (k[i].w->rows + RB - 1) / RB;
+        bpc[i] = blocks_per_chunk(k[i].w, k[i].T, k[i].T == 1 && k[i].xp != NULL);
+    }
+    const int64_t nchunks = plan_chunks(&j, nb, bpc, nk, nthreads > 1 ? nthreads : 1);
+    mt_pool_run(nthreads, nchunks, linear_chunk, &j);
+    for (int i = 0; i < nk; i++)
+        if (atomic_load(&k[i].failed)) return -1;
+    return 0;
 }
 
 /* y[t, r] = dot(x[t], w[r], C) (+ bias[r]) for one linear, or for two (w2: NULL or a second
@@ -178,14 +205,9 @@ static int linear_job_run(const mt_isa *isa, int nthreads, const float *x, int64
     if (xp_wanted(isa, w) && !(xp = xp_fill(isa, x, T, w->cols, 3))) return -1;
     /* the same columns, so the same order (an expert's gate and up) */
     if (w2 && xp_wanted(isa, w2) && !(xp2 = xp ? xp : xp_fill(isa, x, T, w2->cols, 3))) return -1;
-    linear_ctx k1 = {isa, x, T, mt_rowbuf_len(w), w, bias, y, 0, xp};
-    linear_ctx k2 = {isa, x, T, w2 ? mt_rowbuf_len(w2) : 0, w2, NULL, y2, 0, xp2};
-    linear_job j = {{&k1, &k2}, (w->rows + RB - 1) / RB, {0}};
-    const int64_t nb1 = w2 ? (w2->rows + RB - 1) / RB : 0;
-    const int64_t bpc = blocks_per_chunk(w, T, T == 1 && xp != NULL);
-    const int64_t nchunks = plan_chunks(j.start, j.nb0, nb1, bpc, nthreads > 1 ? nthreads : 1);
-    mt_pool_run(nthreads, nchunks, linear_chunk, &j);
-    return atomic_load(&k1.failed) || atomic_load(&k2.failed) ? -1 : 0;
+    linear_ctx k[2] = {{isa, x, T, mt_rowbuf_len(w), w, bias, y, 0, xp},
+                       {isa, x, T, w2 ? mt_rowbuf_len(w2) : 0, w2, NULL, y2, 0, xp2}};
+    return linears_run(nthreads, k, w2 ? 2 : 1);
 }
 
 /* y[t, r] = dot(x[t], w[r], C) (+ bias[r]).  x [T, C], y [T, R]. Returns 0 or -1 (no memory). */
@@ -208,6 +230,67 @@ int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qma
     free(hg);
     free(hu);
     return rc;
+}
+
+/* Up to LINEAR_MAX_K / 2 experts of few tokens each: every gate and up in one job, then every
+ * down in one job -- two waits for the pool instead of two per expert, and the threads share
+ * all the experts' rows (a layer's experts at decode are a few MB in all). */
+static int ffn_group(const mt_isa *isa, int nthreads, int n, const mt_expert *ex) {
+    linear_ctx k[LINEAR_MAX_K];
+    float *h[LINEAR_MAX_K / 2][3]; /* hg, hu, xp of hg */
+    float *xp[LINEAR_MAX_K / 2];
+    int rc = 0;
+    memset(h, 0, sizeof(h));
+    memset(xp, 0, sizeof(xp));
+    for (int e = 0; e < n && rc == 0; e++) {
+        const mt_expert *x = &ex[e];
+        const int64_t TI = x->T * x->gate->rows;
+        h[e][0] = mt_xalloc((size_t)TI * 4);
+        h[e][1] = mt_xalloc((size_t)TI * 4);
+        if (!h[e][0] || !h[e][1]) rc = -1;
+        if (rc == 0 && xp_wanted(isa, x->gate)) {
+            if (!(xp[e] = mt_xalloc((size_t)(x->T * x->gate->cols) * 4))) rc = -1;
+            else xp_order_into(isa, x->x, x->T, x->gate->cols, xp[e]);
+        }
+        if (rc == 0 && xp_wanted(isa, x->down) && !(h[e][2] = mt_xalloc((size_t)TI * 4))) rc = -1;
+        k[2 * e] = (linear_ctx){isa, x->x, x->T, mt_rowbuf_len(x->gate), x->gate, NULL, h[e][0], 0, xp[e]};
+        k[2 * e + 1] = (linear_ctx){isa, x->x, x->T, mt_rowbuf_len(x->up), x->up, NULL, h[e][1], 0,
+                                    xp_wanted(isa, x->up) ? xp[e] : NULL};
+    }
+    if (rc == 0) rc = linears_run(nthreads, k, 2 * n);
+    for (int e = 0; e < n && rc == 0; e++) {
+        const mt_expert *x = &ex[e];
+        isa->swiglu(h[e][0], h[e][1], x->T * x->gate->rows);
+        if (h[e][2]) xp_order_into(isa, h[e][0], x->T, x->down->cols, h[e][2]);
+        k[e] = (linear_ctx){isa, h[e][0], x->T, mt_rowbuf_len(x->down), x->down, NULL, x->y, 0, h[e][2]};
+    }
+    if (rc == 0) rc = linears_run(nthreads, k, n);
+    for (int e = 0; e < n; e++) {
+        free(h[e][0]);
+        free(h[e][1]);
+        free(h[e][2]);
+        free(xp[e]);
+    }
+    return rc;
+}
+
+int mt_ffn_many(const mt_isa *isa, int nthreads, int64_t n, const mt_expert *ex) {
+    mt_expert group[LINEAR_MAX_K / 2];
+    int ng = 0;
+    for (int64_t e = 0; e < n; e++) {
+        const mt_expert *x = &ex[e];
+        if (x->T <= 0) continue;
+        if (isa->linear_many && x->T >= isa->many_min) { /* a big batch: its own outer-product jobs */
+            if (mt_ffn(isa, nthreads, x->x, x->T, x->gate, x->up, x->down, x->y) != 0) return -1;
+            continue;
+        }
+        group[ng++] = *x;
+        if (ng == LINEAR_MAX_K / 2) {
+            if (ffn_group(isa, nthreads, ng, group) != 0) return -1;
+            ng = 0;
+        }
+    }
+    return ng ? ffn_group(isa, nthreads, ng, group) : 0;
 }
 
 void mt_glu_clamped(float *g, const float *u, int64_t n, float alpha, float limit) {
