@@ -184,6 +184,7 @@ extern const mt_isa mt_isa_generic;
 #if defined(__x86_64__)
 extern const mt_isa mt_isa_avx2;
 extern const mt_isa mt_isa_avx512;
+void mt_q8_rows_avx2(const q8ctx *k, int64_t r0, int64_t n); /* AVX2's q8_rows, for the AVX-512 table */
 #endif
 #if defined(__aarch64__)
 extern const mt_isa mt_isa_neon;

@@ -1270,6 +1270,9 @@ MT_AVX2 static uint64_t read_probe_avx2(const uint8_t *p, int64_t bytes) {
     return o[0] + o[1] + o[2] + o[3];
 }
 
+/* The AVX-512 table's int8-activation rows too (its CPUs have AVX2; no 512-bit kernel of its own yet). */
+void mt_q8_rows_avx2(const q8ctx *k, int64_t r0, int64_t n) { q8_rows_avx2(k, r0, n); }
+
 static int cpu_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");

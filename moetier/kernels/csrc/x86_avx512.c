@@ -475,7 +475,8 @@ static int cpu_avx512(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+           __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("avx2"); /* q8_rows is AVX2's */
 }
 
 static int cpu_vbmi(void) {
@@ -618,6 +619,7 @@ const mt_isa mt_isa_avx512 = {
     .supported = cpu_avx512,
     .linear_block = linear_block_avx512,
     .xp_order = MT_XP_HALVES16,
+    .q8_rows = mt_q8_rows_avx2, /* int8 activations (was the generic loop: 0.81 -> 23.5 GB/s, batch 1) */
     .tile = tile_avx512,
     .sum = sum_avx512,
     .max = max_avx512,
