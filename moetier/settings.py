@@ -86,6 +86,8 @@ class StorageSection(_Section):
                             "(falls back to buffered reads, logged).")
     queue_depth: int = Field(8, ge=1, le=256, description="Concurrent expert reads per store.")
     prefetch: bool = Field(True, description="Act on prefetch hints from dense workers.")
+    preload: bool = Field(True, description="When the RAM tier budget holds every expert the store serves, "
+                          "read them all at start, before it reports ready (a smaller budget fills on demand).")
     prefetch_depth: int = Field(64, ge=0, le=4096, description="Queued prefetch reads before hints drop.")
     mirrors: list[Path] = Field(default_factory=list, description="Extra copies (full or partial) of the "
                                 "container's experts/ files; reads spread across copies.")

@@ -26,6 +26,7 @@ async def start_store(tmp_path: Path, cache: str) -> tuple[StoreServer, int]:
     model = synth.write_container("tiny-deepseek_v3", tmp_path / "m", 0)
     settings = load_settings(overrides={
         "model": {"path": str(model), "expert_cache": cache}, "cache": {"policy": "lru"},
+        "storage": {"preload": False},  # a cold tier: these tests watch misses
         "data_dir": str(tmp_path / "data"),
         "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0}}, environ={})
     server, port = create_server(settings, "127.0.0.1:0", threads=1)

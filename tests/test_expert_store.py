@@ -71,6 +71,7 @@ def store_settings(container: Path, data_dir: Path, **over: Any) -> Settings:
     base: dict[str, Any] = {
         "model": {"path": str(container), "expert_cache": "100%"},
         "cache": {"policy": "lru"},
+        "storage": {"preload": False},  # a cold tier: these tests watch the demand reads
         "data_dir": str(data_dir),
         "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0, "id": "store-t"},
     }
@@ -140,6 +141,33 @@ async def rpc_error(call: Any) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
     return info.value
+
+
+# ---- preload -----------------------------------------------------------------------------------
+async def test_a_budget_that_holds_every_expert_is_filled_before_ready(model: Path, tmp_path: Path) -> None:
+    """storage.preload (the default): a store whose budget holds all its experts reads them at start,
+    so the first calls read nothing and give the cold store's bits; a smaller budget fills on demand,
+    and so does a store with preload off."""
+    rng = np.random.default_rng(4)
+    x, ids, w = batch(rng, 9)
+    with Container.open(model) as c:
+        total, n_experts = c.expert_bytes, len(c.index.records)
+    outs = {}
+    for name, over in (("preloaded", {"storage": {"preload": True}}), ("cold", {}),
+                       ("half", {"storage": {"preload": True}, "model": {"expert_cache": str(total // 2)}})):
+        async with running(store_settings(model, tmp_path / name, **over)) as st:
+            s = st.core.tier.stats()
+            if name == "preloaded":
+                assert (s.resident_experts, s.resident_bytes, s.loading_experts) == (n_experts, total, 0)
+            else:
+                assert s.resident_experts == 0
+            r = await st.compute(1, x, ids, w)
+            assert (r.misses == 0) == (name == "preloaded"), (name, r.hits, r.misses)
+            assert r.hits + r.misses == len(np.unique(ids))
+            s = st.core.tier.stats()
+            assert sum(s.misses.values()) == r.misses and s.prefetch_issued == 0  # preload is neither
+            outs[name] = from_pb(r.output, "output", dtype="float32", ndim=2)
+    assert np.array_equal(outs["preloaded"], outs["cold"]) and np.array_equal(outs["half"], outs["cold"])
 
 
 # ---- the math ---------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def store(model: Path, tmp_path: Path, **cache: Any) -> AsyncIterator[tuple[StoreServer, int]]:
     settings = load_settings(overrides={
         "model": {"path": str(model), "expert_cache": cache.get("expert_cache", "100%")},
-        "cache": {"policy": "lru"}, "data_dir": str(tmp_path / "data"),
+        "cache": {"policy": "lru"}, "storage": {"preload": False}, "data_dir": str(tmp_path / "data"),
         "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0}}, environ={})
     server, port = create_server(settings, "127.0.0.1:0", threads=1)
     await server.start()
@@ -177,7 +177,7 @@ async def test_a_store_stopping_without_grace_cuts_a_lane_call_waiting_for_its_r
 
     x, ids, w = batch(np.random.default_rng(5), 1)
     settings = load_settings(overrides={
-        "model": {"path": str(model), "expert_cache": "100%"}, "cache": {"policy": "lru"},
+        "model": {"path": str(model), "expert_cache": "100%"}, "cache": {"policy": "lru"}, "storage": {"preload": False},
         "data_dir": str(tmp_path / "data"),
         "expert_store": {"bind": "127.0.0.1:0", "address": "127.0.0.1:0", "metrics_port": 0}}, environ={})
     server, port = create_server(settings, "127.0.0.1:0", threads=1)

@@ -327,7 +327,10 @@ def prepare(args: argparse.Namespace, fio: str) -> Setup:
                                  # speculation off: the engine beside it decodes without drafts (bench spec
                                  # measures drafting)
                                  "inference": {"prefix_cache_bytes": "0", "local_lane": not args.no_local_lane,
-                                               "speculative_tokens": 0}}
+                                               "speculative_tokens": 0},
+                                 # every system starts with a cold tier, as the engine beside it does: a
+                                 # trial measures its own reads
+                                 "storage": {"preload": False}}
     if args.policy:
         overrides["cache"] = {"policy": args.policy}
     settings = load_settings(args.config, overrides=overrides)

@@ -415,6 +415,33 @@ class ExpertTier:
         e.value = e.ready = None  # drop every reference of ours so the buffer can be recycled
         self.engine.reclaim(e)
 
+    # ---- preload --------------------------------------------------------------------
+    def preload(self) -> tuple[int, int, int]:
+        """Read every expert not yet here, when the budget holds them all (a roomy tier, which
+        never evicts), and wait for the reads; else nothing. Reads go at prefetch priority, so a
+        demand read goes first; they count neither as hits, misses nor prefetches. A read that
+        fails leaves its expert to be read on demand (which then fails, or not, as it will).
+        Returns (experts read, bytes read, reads failed)."""
+        if not self._roomy:
+            return 0, 0, 0
+        mine: list[_Entry] = []
+        with self._cond:
+            self._check_open()
+            for k in sorted(self.index.records):
+                if k in self._entries:
+                    continue
+                e = _Entry(k, self.index.records[k].length)
+                self._entries[k] = e
+                self._loading_bytes += e.nbytes
+                self.policy.insert(k)
+                mine.append(e)
+            for e in mine:
+                self._start_read(e, PREFETCH)
+        done = [(e.nbytes, e.ready) for e in mine if e.ready is not None]
+        wait([f for _, f in done])
+        ok = [n for n, f in done if f.exception() is None]
+        return len(ok), sum(ok), len(mine) - len(ok)
+
     # ---- prefetch -------------------------------------------------------------------
     def prefetch(self, layer: int, ids: IdsLike) -> int:
         """Hint that `layer` will soon need `ids`; returns the reads queued."""

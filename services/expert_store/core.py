@@ -224,10 +224,17 @@ class StoreCore:
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
-        """Warm the kernels (no first request pays for it) and start saving usage history."""
+        """Warm the kernels (no first request pays for it), read every expert where the budget holds
+        them all (storage.preload), and start saving usage history."""
         t0 = time.perf_counter()
         await asyncio.get_running_loop().run_in_executor(self._compute, self._warm)
         log.info("kernels warm (%s) in %.2f s", self.ops, time.perf_counter() - t0)
+        if self.settings.storage.preload:
+            t0 = time.perf_counter()
+            n, nbytes, failed = await asyncio.to_thread(self.tier.preload)
+            if n or failed:
+                log.info("preloaded %d experts (%.2f GB, the whole budget holds them) in %.2f s%s", n, nbytes / 1e9,
+                         time.perf_counter() - t0, f"; {failed} reads failed (read again on demand)" if failed else "")
         if self.tier.config.history_path is not None and self._saver is None:
             self._saver = asyncio.get_running_loop().create_task(self._save_history_periodically(),
                                                                   name="expert-history-saver")
