@@ -4,7 +4,8 @@
 
 The same client then times it as it times `moetier up` and llama_cpp.server, so the three
 differ by what serves the tokens, not by how they are measured. One process, no service
-hops: `moetier.engine.Engine` (resident dense part, the RAM tier, FastOps on every CPU the
+hops: `moetier.engine.Engine` (resident dense part, the RAM tier -- read whole at start when it
+holds every expert and storage.preload is on, as the expert store does -- FastOps on every CPU the
 process may use), prompts prefilled in chunks of the settings' inference.prefill_chunk as
 the dense worker does. It serves GET /v1/models, GET /health and streamed or plain POST
 /v1/completions (string prompt, max_tokens, temperature 0 only: it is a benchmark's
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     settings = load_settings(a.config)
     engine = Engine.open(a.model, budget=a.expert_cache)
+    if settings.storage.preload:  # as the expert store does: a budget that holds every expert starts full
+        engine.experts.tier.preload()
     handler = type("Handler", (_Handler,), {"engine": engine, "name": a.model.name,
                                              "chunk": settings.inference.prefill_chunk})
     server = ThreadingHTTPServer(("127.0.0.1", a.port), handler)
