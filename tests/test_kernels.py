@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from moetier.kernels import FastOps, c_available, c_paths, warmup
+from moetier.kernels import FastOps, c_available, c_paths, idle_spin_us, set_idle_spin, warmup
 from moetier.kernels.fast import Backend
 from moetier.model.ops import ReferenceOps, combine_slots
 from moetier.weights.quant import (
@@ -550,9 +550,33 @@ def pool_stress(make_ops: Callable[[int], FastOps], callers_s: float, back_to_ba
 
 
 @pytest.mark.skipif(not c_available(), reason="the C extension is not built")
+@pytest.mark.parametrize("spin_us", [0.0, 2000.0], ids=["helpers-sleep", "helpers-poll"])
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "numba"])
-def test_pool_under_concurrent_callers_and_back_to_back_jobs_gives_the_same_bits(backend: Backend) -> None:
-    pool_stress(lambda threads: FastOps(backend, threads=threads), callers_s=1.0, back_to_back_s=0.5)
+def test_pool_under_concurrent_callers_and_back_to_back_jobs_gives_the_same_bits(backend: Backend,
+                                                                                 spin_us: float) -> None:
+    """Both ways an idle helper waits for the next job: sleeping at once (every job wakes it)
+    and polling (kernels.idle_spin_us)."""
+    before = idle_spin_us()
+    set_idle_spin(spin_us)
+    try:
+        assert idle_spin_us() == spin_us
+        pool_stress(lambda threads: FastOps(backend, threads=threads), callers_s=1.0, back_to_back_s=0.5)
+    finally:
+        set_idle_spin(before)
+
+
+@pytest.mark.skipif(not c_available(), reason="the C extension is not built")
+def test_idle_spin_is_set_in_microseconds_and_refuses_negative_or_nan() -> None:
+    before = idle_spin_us()
+    try:
+        set_idle_spin(150.5)
+        assert idle_spin_us() == 150.5
+        for bad in (-1.0, float("nan")):
+            with pytest.raises(ValueError, match="idle spin"):
+                set_idle_spin(bad)
+        assert idle_spin_us() == 150.5  # a refused value changes nothing
+    finally:
+        set_idle_spin(before)
 
 
 def test_pool_with_stalls_injected_between_its_steps_gives_the_same_bits(tmp_path: Path) -> None:

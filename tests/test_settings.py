@@ -31,6 +31,7 @@ def test_precedence(tmp_path: Path) -> None:
     ("cache:\n  policy: fifo\n", "cache.policy"),
     ("model:\n  expert_cache: lots\n", "not a byte size"),
     ("inference:\n  max_batch_size: 0\n", "inference.max_batch_size"),
+    ("kernels:\n  idle_spin_us: -5\n", "kernels.idle_spin_us"),
     ("- a\n- b\n", "top level must be a mapping"),
     ("cache: [\n", "not valid YAML"),
 ])

@@ -14,10 +14,12 @@ from moetier.kernels.fast import (
     c_paths,
     c_problem,
     default_threads,
+    idle_spin_us,
     set_default_activations,
     set_default_backend,
+    set_idle_spin,
     warmup,
 )
 
 __all__ = ["FastOps", "c_available", "c_best", "c_has_simd", "c_paths", "c_problem", "default_threads",
-           "set_default_activations", "set_default_backend", "warmup"]
+           "idle_spin_us", "set_default_activations", "set_default_backend", "set_idle_spin", "warmup"]

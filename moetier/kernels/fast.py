@@ -41,7 +41,7 @@ Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "nu
 BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "mxfp4": 4}
 
-C_KERNELS_VERSION = 9  # MT_KERNELS_VERSION in csrc/mt.h
+C_KERNELS_VERSION = 10  # MT_KERNELS_VERSION in csrc/mt.h
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
@@ -106,6 +106,23 @@ def set_default_activations(activations: Activations) -> None:
         log.warning("kernels: int8 activations (LOSSY: activations rounded to int8 per block of 64 in every "
                     "int8/int4 linear; outputs differ from the exact kernels)")
     _DEFAULT_ACTIVATIONS = activations
+
+
+def set_idle_spin(us: float) -> None:
+    """How long an idle kernel thread of this process polls for the next call before it sleeps,
+    in microseconds (the `kernels.idle_spin_us` setting; 0: it sleeps at once). A sleeping
+    helper joins the next call late, by the wake-up latency of the machine (0.42 ms at p90 on
+    a virtual machine whose idle vCPUs halt); a polling one joins at once and yields its CPU
+    to any thread with work. Changes no result bit, only which thread computes a chunk."""
+    if not us >= 0:  # also NaN
+        raise ValueError(f"idle spin must be >= 0 microseconds, got {us}")
+    if _C is not None:
+        _C.pool_spin(int(us * 1000))
+
+
+def idle_spin_us() -> float:
+    """The current idle polling time of the kernel threads (see `set_idle_spin`); 0 without C."""
+    return _C.pool_spin() / 1000 if _C is not None else 0.0
 
 
 def _resolve(backend: str) -> str:

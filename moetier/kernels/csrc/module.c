@@ -443,6 +443,15 @@ static PyObject *py_isas(PyObject *self, PyObject *args) {
     return out;
 }
 
+static PyObject *py_pool_spin(PyObject *self, PyObject *args) {
+    (void)self;
+    long long ns = -1;
+    if (!PyArg_ParseTuple(args, "|L", &ns)) return NULL;
+    const int64_t old = mt_pool_spin();
+    if (ns >= 0) mt_pool_set_spin(ns);
+    return PyLong_FromLongLong(old);
+}
+
 static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
      "linear(x, T, C, R, (dtype, data, scales, g), bias, out, isa, threads, int8_activations=False)"},
@@ -461,6 +470,9 @@ static PyMethodDef methods[] = {
      "fma_probe(isa, threads, rounds) -> flops: twelve independent fma chains per thread chunk (the FMA peak)"},
     {"read_probe", py_read_probe, METH_VARARGS,
      "read_probe(buffer, isa, threads) -> checksum: every byte read once, split between threads"},
+    {"pool_spin", py_pool_spin, METH_VARARGS,
+     "pool_spin(ns=-1) -> the previous setting: how long idle pool helpers poll for work before sleeping "
+     "(ns >= 0 sets it)"},
     {"isas", py_isas, METH_NOARGS,
      "[(name, supported by this CPU)] of every kernel path in this build, best first; an ISA argument is an index "
      "into it"},

@@ -4,6 +4,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "mt.h"
 
@@ -60,8 +61,18 @@
  * helper that read the count of a finished job and then the limit of the next (larger)
  * one could claim a chunk twice and count it twice, letting the owner return while that
  * chunk still ran on its stack-allocated ctx.
- * Helpers that find nothing to claim spin on pool.left, then sleep on pool.cv; see
- * pool_wait_for_work for why no wake-up is lost. */
+ * Helpers that find nothing to claim poll pool.left for a while (pool.spin_ns, the
+ * kernels.idle_spin_us setting), then sleep on pool.cv; see pool_wait_for_work for why no
+ * wake-up is lost. The polling is there because a sleeping helper wakes late: on a 2-vCPU
+ * virtual machine without guest halt-polling (cpuidle haltpoll, guest_halt_poll_ns = 0) a
+ * condition-variable wake-up took 20 us median but 0.42 ms at p90 (an idle vCPU halts, and
+ * the wake-up goes through the hypervisor), against 20 us p90 with the CPUs held out of
+ * their idle state. A decode step makes dozens of kernel calls with Python between them
+ * (attention's projections, norms, rope), so a helper that slept between them joined each
+ * call late or not at all (a 2048 x 2048 int4 linear at batch 1 ran at the speed of one
+ * thread). A polling helper calls sched_yield now and then, so a thread with work on its
+ * CPU (another process of the cluster, between the dense worker and the expert store) runs
+ * first. */
 
 
 #ifdef MT_POOL_JITTER
@@ -87,7 +98,7 @@ static void pool_jitter(void) {
 #endif
 
 #define POOL_MAX 64
-#define POOL_SPIN 2000 /* idle polls (~100 us) before a helper sleeps */
+#define POOL_SPIN_NS_DEFAULT 2000000 /* how long an idle helper polls for the next job before it sleeps */
 
 static struct {
     /* the owner's state: written only by the thread holding owner (or before any helper) */
@@ -102,9 +113,20 @@ static struct {
     _Alignas(64) _Atomic int64_t left;  /* chunks of the published job not yet claimed */
     _Alignas(64) _Atomic int64_t done;  /* chunks of the published job finished */
     _Alignas(64) atomic_int sleeping;   /* helpers asleep (or about to be) on cv */
+    _Atomic int64_t spin_ns;            /* mt_pool_set_spin: idle polling before sleeping */
     pthread_mutex_t mu;                 /* guards the cv wait; nothing else */
     pthread_cond_t cv;
-} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+} pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .spin_ns = POOL_SPIN_NS_DEFAULT};
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* How long idle helpers poll for the next job before they sleep (see above). */
+void mt_pool_set_spin(int64_t ns) { atomic_store_explicit(&pool.spin_ns, ns < 0 ? 0 : ns, memory_order_relaxed); }
+int64_t mt_pool_spin(void) { return atomic_load_explicit(&pool.spin_ns, memory_order_relaxed); }
 
 /* Claim and run chunks of the published job until none are left unclaimed. */
 static void pool_work(void) {
@@ -135,8 +157,13 @@ static void pool_work(void) {
  * under pool.mu, which the helper holds from its check until cond_wait releases it. A
  * helper that sleeps through a whole job costs nothing: the owner claims its chunks. */
 static void pool_wait_for_work(void) {
-    for (int spin = 0; spin < POOL_SPIN; spin++) {
+    const int64_t spin = atomic_load_explicit(&pool.spin_ns, memory_order_relaxed);
+    for (int64_t t0 = now_ns(), n = 0;; n++) {
         if (atomic_load_explicit(&pool.left, memory_order_relaxed) > 0) return;
+        if ((n & 15) == 15) {
+            if (now_ns() - t0 >= spin) break;
+            if ((n & 63) == 63) sched_yield(); /* polite: a thread with work on this CPU runs first */
+        }
         CPU_RELAX();
     }
     pthread_mutex_lock(&pool.mu);
