@@ -156,6 +156,12 @@ class KernelsSection(_Section):
         "before it sleeps, in microseconds (0: sleep at once). A sleeping thread joins the next call late where "
         "wake-ups are slow (a VM whose idle vCPUs halt: 0.42 ms at p90); a polling one yields its CPU to any "
         "thread with work. Never changes a result bit.")
+    max_wake_latency_us: int | None = Field(
+        0, ge=0, description="While a dense worker, expert store or bench peers' in-process engine runs, ask the "
+        "kernel for CPUs that leave idle within this many microseconds (a PM QoS request on /dev/cpu_dma_latency; "
+        "0: idle CPUs poll instead of halting). Each MoE layer hands work between processes and threads; where idle "
+        "vCPUs halt, a wake-up took 0.42 ms at p90 (0.02 ms held). Needs write access to the device (root), else "
+        "nothing is held. Costs power; null leaves it to the system.")
 
 
 class Endpoint(_Section):

@@ -17,6 +17,7 @@ from moetier.rpc.errors import rpc_errors
 from moetier.rpc.serving import ServiceServer, listen, new_server, run_until_signal, with_bound_port
 from moetier.rpc.v1 import dense_worker_pb2, dense_worker_pb2_grpc, generate_pb2
 from moetier.settings import Settings
+from moetier.wake_latency import hold_wake_latency
 from services.dense_worker import convert
 from services.dense_worker.core import WorkerCore
 
@@ -88,4 +89,5 @@ async def serve(settings: Settings, grace_s: float = 5.0) -> None:
     """Run the worker on settings.dense_worker.bind until SIGINT or SIGTERM, then stop gracefully.
     Joins the router when settings.router.address is set (an empty address: standalone)."""
     server, port = create_server(settings, settings.dense_worker.bind, register=bool(settings.router.address))
-    await run_until_signal(server, port, grace_s)
+    with hold_wake_latency(settings.kernels.max_wake_latency_us):
+        await run_until_signal(server, port, grace_s)

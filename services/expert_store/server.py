@@ -27,6 +27,7 @@ from moetier.rpc.serving import ServiceServer, listen, new_server, run_until_sig
 from moetier.rpc.v1 import expert_store_pb2 as pb
 from moetier.rpc.v1 import expert_store_pb2_grpc as pb_grpc
 from moetier.settings import Settings
+from moetier.wake_latency import hold_wake_latency
 from services.expert_store import convert
 from services.expert_store.core import StoreCore
 
@@ -143,4 +144,5 @@ async def serve(settings: Settings, grace_s: float = 5.0) -> None:
     """Run the store on settings.expert_store.bind until SIGINT or SIGTERM, then stop gracefully.
     Joins the router when settings.router.address is set (an empty address: standalone)."""
     server, port = create_server(settings, settings.expert_store.bind, register=bool(settings.router.address))
-    await run_until_signal(server, port, grace_s)
+    with hold_wake_latency(settings.kernels.max_wake_latency_us):
+        await run_until_signal(server, port, grace_s)

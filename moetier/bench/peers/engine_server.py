@@ -26,6 +26,7 @@ from moetier.engine import Engine
 from moetier.model.sampling import SamplingParams
 from moetier.settings import load_settings
 from moetier.text import IncrementalDetokenizer
+from moetier.wake_latency import hold_wake_latency
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = type("Handler", (_Handler,), {"engine": engine, "name": a.model.name,
                                              "chunk": settings.inference.prefill_chunk})
     server = ThreadingHTTPServer(("127.0.0.1", a.port), handler)
+    hold = hold_wake_latency(settings.kernels.max_wake_latency_us)  # as the dense worker and the store do
     print(f"serving {a.model} on http://127.0.0.1:{a.port}", flush=True)
     try:
         server.serve_forever()
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.server_close()
         engine.close()
+        hold.close()
     return 0
 
 
