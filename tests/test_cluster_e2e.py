@@ -156,7 +156,12 @@ async def test_chat_equals_in_process_and_conversation_reuses_kv(model: Path, tm
 async def test_client_hanging_up_frees_the_workers_kv(model: Path, tmp_path: Path) -> None:
     async with up(model, tmp_path) as c:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}], "max_tokens": 500,
-                "stream": True, "temperature": 0.9}
+                "temperature": 0.9, "seed": 9}
+        # seeded: left alone, this generation runs to max_tokens (no end-of-text on the way), so
+        # whatever ends it early below is the hang-up
+        full = (await c.client.post("/v1/chat/completions", json=body)).json()
+        assert full["choices"][0]["finish_reason"] == "length"
+        body["stream"] = True
         async with c.client.stream("POST", "/v1/chat/completions", json=body) as s:
             async for line in s.aiter_lines():
                 if '"content"' in line:
@@ -167,3 +172,4 @@ async def test_client_hanging_up_frees_the_workers_kv(model: Path, tmp_path: Pat
             assert time.monotonic() < deadline, "the worker kept the sequence"
             await asyncio.sleep(0.05)
         assert c.worker_metric("moetier_dense_worker_finished_requests_total", finish_reason="cancelled") == 1
+        assert c.worker_metric("moetier_dense_worker_finished_requests_total", finish_reason="length") == 1
