@@ -37,8 +37,8 @@ DEVICE = Path("/dev/cpu_dma_latency")
 class WakeLatencyHold:
     """An open PM QoS request (or none: `held` is False); `close()` ends it."""
 
-    def __init__(self, fd: int | None, max_us: int | None) -> None:
-        self._fd, self.max_us = fd, max_us
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
 
     @property
     def held(self) -> bool:
@@ -60,21 +60,19 @@ def hold_wake_latency(max_us: int | None, device: Path = DEVICE) -> WakeLatencyH
     """Ask for CPUs that wake within `max_us` microseconds while the hold is open (None: ask
     nothing). A device that is absent or not writable holds nothing and says so in the log."""
     if max_us is None:
-        return WakeLatencyHold(None, None)
+        return WakeLatencyHold(None)
     if max_us < 0:
         raise ValueError(f"max wake latency must be >= 0 microseconds, got {max_us}")
+    fd = -1
     try:
         fd = os.open(device, os.O_WRONLY | os.O_CLOEXEC)
-    except OSError as e:
-        log.info("CPU wake-up latency left to the system (%s: %s; kernels.max_wake_latency_us needs write "
-                 "access to it)", device, e.strerror or e)
-        return WakeLatencyHold(None, max_us)
-    try:
         os.write(fd, struct.pack("=i", min(max_us, 2**31 - 1)))
     except OSError as e:
-        os.close(fd)
-        log.info("CPU wake-up latency left to the system (writing %s: %s)", device, e.strerror or e)
-        return WakeLatencyHold(None, max_us)
+        if fd >= 0:
+            os.close(fd)
+        log.info("CPU wake-up latency left to the system (%s: %s; kernels.max_wake_latency_us needs write "
+                 "access to it)", device, e.strerror or e)
+        return WakeLatencyHold(None)
     log.info("holding CPU wake-up latency at %d us while serving (%s; kernels.max_wake_latency_us: null leaves it "
              "to the system)", max_us, device)
-    return WakeLatencyHold(fd, max_us)
+    return WakeLatencyHold(fd)

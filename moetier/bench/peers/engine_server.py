@@ -118,16 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     handler = type("Handler", (_Handler,), {"engine": engine, "name": a.model.name,
                                              "chunk": settings.inference.prefill_chunk})
     server = ThreadingHTTPServer(("127.0.0.1", a.port), handler)
-    hold = hold_wake_latency(settings.kernels.max_wake_latency_us)  # as the dense worker and the store do
     print(f"serving {a.model} on http://127.0.0.1:{a.port}", flush=True)
     try:
-        server.serve_forever()
+        with hold_wake_latency(settings.kernels.max_wake_latency_us):  # as the dense worker and the store do
+            server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
         engine.close()
-        hold.close()
     return 0
 
 
