@@ -4,6 +4,7 @@ numba: the same bits)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from moetier.kernels import FastOps, c_available, c_paths, idle_spin_us, set_idle_spin, warmup
+from moetier.kernels import FastOps, c_available, c_paths, idle_spin_us, park_helpers, set_idle_spin, warmup
 from moetier.kernels.fast import Backend
 from moetier.model.ops import ReferenceOps, combine_slots
 from moetier.weights.quant import (
@@ -481,7 +482,8 @@ def test_concurrent_callers_and_thread_counts_give_the_same_bits() -> None:
     assert len(results) == 200 and all(results)
 
 
-def pool_stress(make_ops: Callable[[int], FastOps], callers_s: float, back_to_back_s: float) -> None:
+def pool_stress(make_ops: Callable[[int], FastOps], callers_s: float, back_to_back_s: float,
+                park: bool = False) -> None:
     """The C work pool under load: four Python threads (1 to 8 kernel threads each, more
     threads than cores) call linear, expert FFN, attention and moe with shapes whose jobs
     have from 1 to a few dozen chunks, in a different order each; then one caller issues
@@ -527,6 +529,8 @@ def pool_stress(make_ops: Callable[[int], FastOps], callers_s: float, back_to_ba
                 if not np.array_equal(run(ops, j), want[j]):
                     wrong.append((threads, calls[j][0]))
                 done[n] += 1
+                if park:
+                    park_helpers()  # while other callers' jobs may be running
 
     ths = [threading.Thread(target=worker, args=(n, threads)) for n, threads in enumerate((1, 2, 4, 8))]
     for th in ths:
@@ -546,21 +550,71 @@ def pool_stress(make_ops: Callable[[int], FastOps], callers_s: float, back_to_ba
         for w, expect in zip(tiny, tiny_want, strict=True):
             assert np.array_equal(bits(ops.linear(x, w)), expect), f"after {n_tiny} back-to-back jobs"
             n_tiny += 1
+            if park:
+                park_helpers()
     assert n_tiny >= 100
 
 
+def _running_threads() -> list[int]:
+    """Thread ids of this process, other than the caller, that are running or runnable."""
+    import os
+    import threading
+
+    me, out = threading.get_native_id(), []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # the thread ended
+        if state == "R" and int(tid) != me:
+            out.append(int(tid))
+    return out
+
+
 @pytest.mark.skipif(not c_available(), reason="the C extension is not built")
-@pytest.mark.parametrize("spin_us", [0.0, 2000.0], ids=["helpers-sleep", "helpers-poll"])
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to see thread states")
+def test_park_helpers_sends_polling_helpers_to_sleep_and_the_next_call_wakes_them() -> None:
+    import time
+
+    rng = np.random.default_rng(3)
+    w, x = quantize(rand(rng, 2048, 256), "int4", 32), rand(rng, 1, 256)
+    ops, one = FastOps("c", threads=2), FastOps("c", threads=1)
+    want = bits(one.linear(x, w))
+    before = idle_spin_us()
+    set_idle_spin(60e6)  # a minute of polling: only park_helpers ends it within the test
+    try:
+        assert np.array_equal(bits(ops.linear(x, w)), want)
+        deadline = time.monotonic() + 10
+        while not _running_threads() and time.monotonic() < deadline:
+            ops.linear(x, w)  # a helper that slept through a call polls after the next
+        assert _running_threads(), "no kernel helper polls after a call with idle_spin_us at a minute"
+        park_helpers()
+        deadline = time.monotonic() + 10
+        while _running_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _running_threads(), "helpers still polling 10 s after park_helpers"
+        assert np.array_equal(bits(ops.linear(x, w)), want)  # the next call wakes them, same bits
+    finally:
+        set_idle_spin(before)
+        park_helpers()
+
+
+@pytest.mark.skipif(not c_available(), reason="the C extension is not built")
+@pytest.mark.parametrize("spin_us,park", [(0.0, False), (2000.0, False), (2000.0, True)],
+                         ids=["helpers-sleep", "helpers-poll", "helpers-parked"])
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "numba"])
 def test_pool_under_concurrent_callers_and_back_to_back_jobs_gives_the_same_bits(backend: Backend,
-                                                                                 spin_us: float) -> None:
-    """Both ways an idle helper waits for the next job: sleeping at once (every job wakes it)
-    and polling (kernels.idle_spin_us)."""
+                                                                                 spin_us: float, park: bool) -> None:
+    """Every way an idle helper waits for the next job: sleeping at once (every job wakes it),
+    polling (kernels.idle_spin_us), and polling cut short by `park_helpers` after every call,
+    as the dense worker and the expert store do before waiting for each other."""
     before = idle_spin_us()
     set_idle_spin(spin_us)
     try:
         assert idle_spin_us() == spin_us
-        pool_stress(lambda threads: FastOps(backend, threads=threads), callers_s=1.0, back_to_back_s=0.5)
+        pool_stress(lambda threads: FastOps(backend, threads=threads), callers_s=1.0, back_to_back_s=0.5,
+                    park=park)
     finally:
         set_idle_spin(before)
 

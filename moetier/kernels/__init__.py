@@ -15,6 +15,7 @@ from moetier.kernels.fast import (
     c_problem,
     default_threads,
     idle_spin_us,
+    park_helpers,
     set_default_activations,
     set_default_backend,
     set_idle_spin,
@@ -22,4 +23,4 @@ from moetier.kernels.fast import (
 )
 
 __all__ = ["FastOps", "c_available", "c_best", "c_has_simd", "c_paths", "c_problem", "default_threads",
-           "idle_spin_us", "set_default_activations", "set_default_backend", "set_idle_spin", "warmup"]
+           "idle_spin_us", "park_helpers", "set_default_activations", "set_default_backend", "set_idle_spin", "warmup"]

@@ -41,7 +41,7 @@ Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "nu
 BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "mxfp4": 4}
 
-C_KERNELS_VERSION = 10  # MT_KERNELS_VERSION in csrc/mt.h
+C_KERNELS_VERSION = 11  # MT_KERNELS_VERSION in csrc/mt.h
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
@@ -118,6 +118,15 @@ def set_idle_spin(us: float) -> None:
         raise ValueError(f"idle spin must be >= 0 microseconds, got {us}")
     if _C is not None:
         _C.pool_spin(int(us * 1000))
+
+
+def park_helpers() -> None:
+    """The calling thread is about to wait for another process (the dense worker for the expert
+    store's answer, the store for the worker's next call): this process's polling kernel threads
+    sleep now instead of polling out `kernels.idle_spin_us`, leaving the CPUs to the process that
+    computes meanwhile. The next call wakes them. Changes no result bit."""
+    if _C is not None:
+        _C.pool_park()
 
 
 def idle_spin_us() -> float:

@@ -41,6 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import InvalidArgument, MoetierError, ResourceExhausted, Unavailable
+from moetier.kernels.fast import park_helpers
 from moetier.rpc.errors import from_status, status_code
 from moetier.rpc.tensors import from_pb, to_shared
 from moetier.rpc.v1 import expert_store_pb2 as pb
@@ -146,6 +147,7 @@ class LocalServer:
                 os.close(fds[0])
             conn.send(_frame(READY, pb.LocalReady()))
             while True:
+                park_helpers()  # nothing to compute here until the caller's next call
                 msg = conn.recv(MAX_FRAME)
                 if not msg:
                     return
@@ -288,6 +290,7 @@ class LocalClient:
 
     def receive(self, req: pb.ComputeExpertsRequest, timeout_s: float) -> tuple[pb.ComputeExpertsResponse, F32]:
         what = f"expert store lane {self.name}: ComputeExperts of layer {req.layer}"
+        park_helpers()  # nothing to compute here until the store answers
         try:
             self.sock.settimeout(timeout_s)
             msg = self.sock.recv(MAX_FRAME)

@@ -452,6 +452,13 @@ static PyObject *py_pool_spin(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(old);
 }
 
+static PyObject *py_pool_park(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    mt_pool_park();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
      "linear(x, T, C, R, (dtype, data, scales, g), bias, out, isa, threads, int8_activations=False)"},
@@ -473,6 +480,9 @@ static PyMethodDef methods[] = {
     {"pool_spin", py_pool_spin, METH_VARARGS,
      "pool_spin(ns=-1) -> the previous setting: how long idle pool helpers poll for work before sleeping "
      "(ns >= 0 sets it)"},
+    {"pool_park", py_pool_park, METH_NOARGS,
+     "pool_park(): polling pool helpers sleep now rather than poll until the next call (a hint; the next call "
+     "wakes them)"},
     {"isas", py_isas, METH_NOARGS,
      "[(name, supported by this CPU)] of every kernel path in this build, best first; an ISA argument is an index "
      "into it"},

@@ -74,7 +74,7 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 10
+#define MT_KERNELS_VERSION 11
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
@@ -316,5 +316,6 @@ void mt_pool_run(int nthreads, int64_t nchunks, chunk_fn fn, void *ctx);
 /* How long (ns) idle helpers poll for the next job before they sleep (see pool.c). */
 void mt_pool_set_spin(int64_t ns);
 int64_t mt_pool_spin(void);
+void mt_pool_park(void);
 
 #endif

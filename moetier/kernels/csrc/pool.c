@@ -114,6 +114,7 @@ static struct {
     _Alignas(64) _Atomic int64_t done;  /* chunks of the published job finished */
     _Alignas(64) atomic_int sleeping;   /* helpers asleep (or about to be) on cv */
     _Atomic int64_t spin_ns;            /* mt_pool_set_spin: idle polling before sleeping */
+    atomic_int parked;                  /* mt_pool_park: 1 until the next job, polling helpers sleep */
     pthread_mutex_t mu;                 /* guards the cv wait; nothing else */
     pthread_cond_t cv;
 } pool = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .spin_ns = POOL_SPIN_NS_DEFAULT};
@@ -127,6 +128,14 @@ static int64_t now_ns(void) {
 /* How long idle helpers poll for the next job before they sleep (see above). */
 void mt_pool_set_spin(int64_t ns) { atomic_store_explicit(&pool.spin_ns, ns < 0 ? 0 : ns, memory_order_relaxed); }
 int64_t mt_pool_spin(void) { return atomic_load_explicit(&pool.spin_ns, memory_order_relaxed); }
+
+/* The caller is about to wait for another process (the dense worker for the expert store's
+ * answer, the store for the worker's next call): until the next job, no kernel of this
+ * process runs, so polling helpers would only take CPU time from the process that works
+ * meanwhile. They go to sleep at their next check instead of polling out spin_ns; the
+ * next job wakes them as a sleeping helper is woken. A hint only: the protocol does not
+ * read it, and a job published meanwhile clears it. */
+void mt_pool_park(void) { atomic_store_explicit(&pool.parked, 1, memory_order_relaxed); }
 
 /* Claim and run chunks of the published job until none are left unclaimed. */
 static void pool_work(void) {
@@ -161,7 +170,7 @@ static void pool_wait_for_work(void) {
     for (int64_t t0 = now_ns(), n = 0;; n++) {
         if (atomic_load_explicit(&pool.left, memory_order_relaxed) > 0) return;
         if ((n & 15) == 15) {
-            if (now_ns() - t0 >= spin) break;
+            if (now_ns() - t0 >= spin || atomic_load_explicit(&pool.parked, memory_order_relaxed)) break;
             if ((n & 63) == 63) sched_yield(); /* polite: a thread with work on this CPU runs first */
         }
         CPU_RELAX();
@@ -229,6 +238,7 @@ void mt_pool_run(int nthreads, int64_t nchunks, chunk_fn fn, void *ctx) {
     pool.job.ctx = ctx;
     pool.job.nchunks = nchunks;
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed); /* ordered by the release below */
+    atomic_store_explicit(&pool.parked, 0, memory_order_relaxed);
     POOL_JITTER();
     /* step 2: publish. seq_cst (a release, and ordered before the load of sleeping: see
      * pool_wait_for_work) */
