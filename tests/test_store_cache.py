@@ -133,3 +133,42 @@ def test_bench_io_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     out = json.loads(capsys.readouterr().out)
     assert out["record_bytes"] == 65536 and len(out["rounds"]) == 2 and out["ratio"] > 0
     assert out["checksum_failures"] == 0
+
+
+@pytest.mark.parametrize("capacity", [64, 40], ids=["holds-every-key", "evicts"])
+def test_learned_policy_without_replaying_shadows_that_never_evict_decides_the_same(capacity: int) -> None:
+    """An adaptive learned policy whose shadow caches hold every sampled key leaves them out
+    (they tie, so the fraction never moves); one replaying them anyway, fed the same accesses,
+    must keep the same fraction and the same hot and cold lists throughout. Where the shadows
+    do evict (capacity 40 of 64 keys) both keep them and still agree."""
+    from moetier.store.policy import FRACTIONS, Learned, _Shadow
+
+    layers, n = [0, 1], 32
+    fast = Learned(layers, n, capacity, refresh_every=16, choose_every=64)
+    slow = Learned(layers, n, capacity, refresh_every=16, choose_every=64)
+    if capacity >= 2 * n:
+        assert not fast._shadows  # left out
+        slow._shadows = [_Shadow(f, round(slow._rate * slow.capacity)) for f in FRACTIONS]
+    else:
+        assert fast._shadows
+    rng = np.random.default_rng(5)
+    popular = rng.permutation(n)
+    resident: set[tuple[int, int]] = set()
+    for step in range(400):
+        layer = step % 2
+        union = {(layer, e) for e in popular[np.minimum(rng.geometric(0.15, 6) - 1, n - 1)].tolist()}
+        for p in (fast, slow):
+            for k in sorted(union):
+                p.record(k)
+        while len(resident | union) > capacity:  # room for the union's new keys, as the tier makes it
+            victims = [p.victim(union.__contains__) for p in (fast, slow)]
+            assert victims[0] == victims[1] and victims[0] is not None
+            for p in (fast, slow):
+                p.remove(victims[0])
+            resident.discard(victims[0])
+        for k in sorted(union - resident):
+            for p in (fast, slow):
+                p.insert(k)
+        resident |= union
+        assert fast.fraction == slow.fraction
+        assert list(fast._hot) == list(slow._hot) and list(fast._cold) == list(slow._cold)

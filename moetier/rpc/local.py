@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -218,7 +219,7 @@ def _after(req: pb.ComputeExpertsRequest) -> int:
     end = 0
     for t in (req.hidden, req.expert_ids, req.weights):
         if t.HasField("shared"):
-            n = int(np.prod(list(t.shape), dtype=np.int64)) * np.dtype(t.dtype).itemsize
+            n = math.prod(t.shape) * np.dtype(t.dtype).itemsize
             end = max(end, t.shared.offset + n)
     return -(-end // 64) * 64
 

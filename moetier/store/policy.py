@@ -233,7 +233,13 @@ class Learned(Policy):
         self._sampled = sampled  # [L, E] bool
         self._sampled_flat = np.flatnonzero(sampled.reshape(-1))
         self._shadow_hot = [np.zeros(shape, dtype=bool) for _ in FRACTIONS]
-        self._shadows = [] if fraction is not None else [
+        # Shadows that hold every sampled key never evict: each sees a miss on a key's first
+        # access and a hit on every later one, all of them alike, so their hit counts tie and
+        # `_choose` keeps the fraction. Replaying them (a few microseconds per access, the
+        # expert store's largest cost per call outside the kernels where the budget holds the
+        # whole model) would change nothing: they are left out.
+        fits = round(self._rate * self.capacity) >= len(self._sampled_flat)
+        self._shadows = [] if fraction is not None or fits else [
             _Shadow(f, round(self._rate * self.capacity)) for f in FRACTIONS]
         self._choose_every = choose_every
         self._sampled_since = 0
@@ -260,13 +266,20 @@ class Learned(Policy):
         return mask
 
     def _refresh(self) -> None:
+        # A list is regrouped only when its hot set changed: every key was placed by the mask
+        # of its time (insert, regroup), so under an unchanged mask a regroup moves nothing.
         flat = self.counts.reshape(-1)
-        self._hot_mask = self._top(flat, np.arange(flat.size), self.protect, flat.size).reshape(self.counts.shape)
-        _regroup(self._hot, self._cold, self._is_hot)
+        m = self._top(flat, np.arange(flat.size), self.protect, flat.size).reshape(self.counts.shape)
+        changed = not np.array_equal(m, self._hot_mask)
+        self._hot_mask = m
+        if changed:
+            _regroup(self._hot, self._cold, self._is_hot)
         for i, sh in enumerate(self._shadows):
             m = self._top(flat, self._sampled_flat, sh.protect, flat.size).reshape(self.counts.shape)
+            changed = not np.array_equal(m, self._shadow_hot[i])
             self._shadow_hot[i] = m
-            sh.regroup(lambda k, m=m: bool(m[self.row[k[0]], k[1]]))  # type: ignore[misc]
+            if changed:
+                sh.regroup(lambda k, m=m: bool(m[self.row[k[0]], k[1]]))  # type: ignore[misc]
 
     def _is_hot(self, key: ExpertKey) -> bool:
         r = self.row.get(key[0])
