@@ -17,6 +17,7 @@ from types import ModuleType
 
 from moetier import commands
 from moetier.errors import MoetierError
+from moetier.lifeline import die_with_launcher
 
 
 def _modules(pkg: ModuleType) -> list[ModuleType]:
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a process of its own (a launcher's child), not a call from Python
+        die_with_launcher()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

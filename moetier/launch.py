@@ -48,6 +48,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moetier.errors import MoetierError, Unavailable
+from moetier.lifeline import PR_SET_PDEATHSIG, parent_env
 from moetier.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,6 @@ def curl_command(settings: Settings, model: str) -> str:
             f"-d {shlex.quote(json.dumps(body))}")
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def die_with_parent(parent: int) -> Callable[[], None] | None:
@@ -223,7 +223,7 @@ def die_with_parent(parent: int) -> Callable[[], None] | None:
 
 class Supervisor:
     """Owns the child processes: start in order, wait for health, stop in reverse. The children
-    die with the supervisor's process (see die_with_parent)."""
+    die with the supervisor's process (see parent_env)."""
 
     def __init__(self, log_dir: Path, echo: Callable[[str], None] = say) -> None:
         self.log_dir = log_dir
@@ -236,12 +236,11 @@ class Supervisor:
         log_path = self.log_dir / f"{spec.name}.log"
         f = open(log_path, "ab")  # noqa: SIM115 -- owned by the supervisor, closed in stop_all
         self._logs.append(f)
-        env = {**os.environ, **spec.env}
+        env = {**os.environ, **spec.env, **parent_env(os.getpid())}
         # A new session: a Ctrl-C in the terminal reaches only `moetier up`, which forwards it
         # in shutdown order instead of every process getting it at once.
         p = subprocess.Popen([sys.executable, "-m", "moetier.cli", *spec.argv], stdout=f,
-                             stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                             preexec_fn=die_with_parent(os.getpid()))
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs.append((spec, p, log_path))
         return p
 

@@ -195,3 +195,38 @@ def test_a_directory_that_is_not_a_container_is_refused(tmp_path: Path) -> None:
                        env={k: v for k, v in os.environ.items() if not k.startswith("MOETIER_")})
     assert r.returncode == 1 and "moetier convert SRC OUT" in r.stderr, r.stderr
 
+
+
+LAUNCHER = """
+import os, subprocess, sys
+from moetier.lifeline import parent_env
+code = "import os, time; from moetier.lifeline import die_with_launcher, PARENT_ENV; die_with_launcher(); " \\
+       "print(PARENT_ENV in os.environ, flush=True); time.sleep(60)"
+pid = int(sys.argv[1]) or os.getpid()
+child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, **parent_env(pid)}, stdout=subprocess.PIPE,
+                         text=True)
+print(child.pid, flush=True)
+print(child.stdout.readline().strip() if not int(sys.argv[1]) else "", flush=True)
+print(child.wait(), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_moetier_child_started_without_preexec_dies_with_its_launcher_even_one_already_gone() -> None:
+    """The services of `moetier up` and `moetier chaos` are started with parent_env, not a
+    preexec_fn: the child sets PR_SET_PDEATHSIG itself (die_with_launcher) and drops the entry."""
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCHER, "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "False"  # the entry is not passed on
+        assert alive(child)
+        parent.kill()
+        parent.wait(10)
+        eventually(lambda: not alive(child), 5, "the child of a SIGKILLed launcher gone")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    # a launcher that died before the child ran die_with_launcher: simulated by a pid that is not its parent
+    r = subprocess.run([sys.executable, "-c", LAUNCHER, "1"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "1", r.stdout + r.stderr

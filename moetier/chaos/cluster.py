@@ -32,10 +32,10 @@ from moetier.errors import Unavailable
 from moetier.launch import (
     SERVICES,
     ServiceSpec,
-    die_with_parent,
     ensure_model,
     free_ports,
     gateway_url,
+    parent_env,
     service_specs,
 )
 from moetier.settings import Settings, load_settings
@@ -162,13 +162,13 @@ class ChaosCluster:
         self._logs.append(f)
         env = {k: v for k, v in os.environ.items() if not k.startswith("MOETIER_")}
         env.update(spec.env)
+        env.update(parent_env(os.getpid()))
         argv = [sys.executable, "-m", "moetier.cli", *spec.argv]
         if name == "expert_store" and os.geteuid() == 0 and shutil.which("setpriv"):
             # root reads any file whatever its mode: without these capabilities the store obeys
             # permissions, so a mirror made unreadable (chmod 000) is unreadable to it
             argv = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search", *argv]
-        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                             preexec_fn=die_with_parent(os.getpid()))
+        p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = p
         deadline = time.monotonic() + timeout_s
         while not spec.health():
