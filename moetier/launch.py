@@ -25,7 +25,6 @@ Tests: tests/test_up.py (a running cluster) and tests/test_up_lifecycle.py (the 
 
 from __future__ import annotations
 
-import ctypes
 import http.client
 import json
 import logging
@@ -48,7 +47,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moetier.errors import MoetierError, Unavailable
-from moetier.lifeline import PR_SET_PDEATHSIG, parent_env
+from moetier.lifeline import parent_env
 from moetier.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -196,29 +195,6 @@ def curl_command(settings: Settings, model: str) -> str:
     auth = ' -H "Authorization: Bearer $MOETIER_GATEWAY__API_KEY"' if settings.gateway.api_key else ""
     return (f"curl {gateway_url(settings)}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d {shlex.quote(json.dumps(body))}")
-
-
-
-
-def die_with_parent(parent: int) -> Callable[[], None] | None:
-    """A `preexec_fn` making the child get SIGTERM when `parent` dies, however it dies (a SIGKILL
-    runs no handler of ours); None where prctl(PR_SET_PDEATHSIG) does not exist (not Linux).
-
-    The kernel sends it when the *thread* that forked the child ends: `moetier up` starts its
-    children from its main thread, which lives as long as the process."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
-
-    def preexec() -> None:
-        # Runs in the child between fork and exec, still with the parent's Python signal handlers:
-        # a SIGTERM caught by one of those would be lost, so the default (terminate) comes first.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before prctl: no signal will come
-            os._exit(1)
-
-    return preexec
 
 
 class Supervisor:

@@ -15,7 +15,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import httpx
 import pytest
@@ -147,19 +149,23 @@ def test_a_sigkill_of_moetier_up_takes_every_child_with_it(root: Path) -> None:
 
 SLEEPER = """
 import os, subprocess, sys, time
-from moetier.launch import die_with_parent
+from moetier.lifeline import die_with_parent
 child = subprocess.Popen(["sleep", "60"], preexec_fn=die_with_parent(int(sys.argv[1]) or os.getpid()))
 print(child.pid, flush=True)
 print(child.wait(), flush=True)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_supervised_child_dies_with_its_parent_even_one_already_gone() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", SLEEPER, "0"], stdout=subprocess.PIPE, text=True)
+def check_child_dies_with_parent(script: str, started: Callable[[IO[str]], None] = lambda out: None) -> None:
+    """`script` (argv[1] "0": its own pid is the parent to die with) starts a child, prints its pid,
+    then what `started` reads, then the child's exit code. The child must go when the script is
+    SIGKILLed; and started with a pid that is not its parent (one that died between fork and the
+    binding would never send the signal) it must exit at once with 1."""
+    parent = subprocess.Popen([sys.executable, "-c", script, "0"], stdout=subprocess.PIPE, text=True)
     try:
         assert parent.stdout is not None
         child = int(parent.stdout.readline())
+        started(parent.stdout)
         assert alive(child)
         parent.kill()
         parent.wait(10)
@@ -167,11 +173,13 @@ def test_a_supervised_child_dies_with_its_parent_even_one_already_gone() -> None
     finally:
         if parent.poll() is None:
             parent.kill()
-    # A child whose parent died between fork and prctl would never get the signal: it sees that
-    # its parent is not the one that started it, and exits before exec. (Simulated: the expected
-    # parent is a pid that is not its parent.)
-    r = subprocess.run([sys.executable, "-c", SLEEPER, "1"], capture_output=True, text=True, timeout=20)
-    assert r.returncode == 0 and r.stdout.split()[1] == "1", r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-c", script, "1"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "1", r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_supervised_child_dies_with_its_parent_even_one_already_gone() -> None:
+    check_child_dies_with_parent(SLEEPER)
 
 
 def test_busy_ports_are_refused_before_anything_starts(tmp_path: Path) -> None:
@@ -196,7 +204,6 @@ def test_a_directory_that_is_not_a_container_is_refused(tmp_path: Path) -> None:
     assert r.returncode == 1 and "moetier convert SRC OUT" in r.stderr, r.stderr
 
 
-
 LAUNCHER = """
 import os, subprocess, sys
 from moetier.lifeline import parent_env
@@ -215,18 +222,8 @@ print(child.wait(), flush=True)
 def test_a_moetier_child_started_without_preexec_dies_with_its_launcher_even_one_already_gone() -> None:
     """The services of `moetier up` and `moetier chaos` are started with parent_env, not a
     preexec_fn: the child sets PR_SET_PDEATHSIG itself (die_with_launcher) and drops the entry."""
-    parent = subprocess.Popen([sys.executable, "-c", LAUNCHER, "0"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert parent.stdout is not None
-        child = int(parent.stdout.readline())
-        assert parent.stdout.readline().strip() == "False"  # the entry is not passed on
-        assert alive(child)
-        parent.kill()
-        parent.wait(10)
-        eventually(lambda: not alive(child), 5, "the child of a SIGKILLed launcher gone")
-    finally:
-        if parent.poll() is None:
-            parent.kill()
-    # a launcher that died before the child ran die_with_launcher: simulated by a pid that is not its parent
-    r = subprocess.run([sys.executable, "-c", LAUNCHER, "1"], capture_output=True, text=True, timeout=30)
-    assert r.returncode == 0 and r.stdout.split()[-1] == "1", r.stdout + r.stderr
+
+    def entry_dropped(out: IO[str]) -> None:
+        assert out.readline().strip() == "False"  # the entry is not passed on
+
+    check_child_dies_with_parent(LAUNCHER, entry_dropped)

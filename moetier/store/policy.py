@@ -238,9 +238,9 @@ class Learned(Policy):
         # `_choose` keeps the fraction. Replaying them (a few microseconds per access, the
         # expert store's largest cost per call outside the kernels where the budget holds the
         # whole model) would change nothing: they are left out.
-        fits = round(self._rate * self.capacity) >= len(self._sampled_flat)
-        self._shadows = [] if fraction is not None or fits else [
-            _Shadow(f, round(self._rate * self.capacity)) for f in FRACTIONS]
+        shadow_capacity = round(self._rate * self.capacity)
+        fits = shadow_capacity >= len(self._sampled_flat)
+        self._shadows = [] if fraction is not None or fits else [_Shadow(f, shadow_capacity) for f in FRACTIONS]
         self._choose_every = choose_every
         self._sampled_since = 0
         self._refresh()

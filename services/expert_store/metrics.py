@@ -166,17 +166,18 @@ class StoreMetrics:
         # Every label value exists from the start, so rates and dashboards see zeros, not gaps.
         # The children per layer, looked up once: a call counts into them without the labels()
         # lookup (its lock, its label checks) three times over.
-        self._per_layer = {layer: (self.calls.labels(layer=str(layer)), self.rows.labels(layer=str(layer)),
-                                   self.waves.labels(layer=str(layer))) for layer in layers}
+        self._per_layer = {layer: self._children(layer) for layer in layers}
         for code in ERROR_CODES:
             self.errors.labels(code=code)
+
+    def _children(self, layer: int) -> tuple[Counter, Counter, Counter]:
+        return (self.calls.labels(layer=str(layer)), self.rows.labels(layer=str(layer)),
+                self.waves.labels(layer=str(layer)))
 
     def observe_compute(self, layer: int, rows: int, waves: int, load_ns: int, compute_ns: int) -> None:
         children = self._per_layer.get(layer)
         if children is None:  # a layer outside those given (the servicer checks, but say it anyway)
-            children = self._per_layer[layer] = (self.calls.labels(layer=str(layer)),
-                                                 self.rows.labels(layer=str(layer)),
-                                                 self.waves.labels(layer=str(layer)))
+            children = self._per_layer[layer] = self._children(layer)
         calls, rows_c, waves_c = children
         calls.inc()
         rows_c.inc(rows)

@@ -32,7 +32,8 @@ from moetier.bench.peers.client import wait_ready
 from moetier.bench.peers.peer import Peer
 from moetier.bench.peers.sandbox import Cgroup, Sandbox, rss_bytes
 from moetier.errors import Unavailable
-from moetier.launch import die_with_parent, free_ports
+from moetier.launch import free_ports
+from moetier.lifeline import die_with_parent
 
 START_TIMEOUT_S = 900.0
 READY = re.compile(r"^moetier: (\w+)\s+ready\s+\(pid (\d+),")
