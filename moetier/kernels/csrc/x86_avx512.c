@@ -216,6 +216,12 @@ MT_AVX512 static void pv_avx512(int nh, const float *const *p, const float *v, i
  * become (n - 8) * scale with one vpermps through a 16-entry table. */
 #define MT_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,fma,f16c")))
 
+/* bytes of the block MT_PREFETCH_BLOCKS ahead to prefetch per step, whole lines, so that the
+ * block's `steps` steps cover it */
+static inline int64_t mt_prefetch_step(int64_t block_bytes, int64_t steps) {
+    const int64_t s = steps > 0 ? steps : 1;
+    return ((block_bytes + s - 1) / s + 63) & ~(int64_t)63;
+}
 #ifndef MT_PREFETCH_BLOCKS
 #define MT_PREFETCH_BLOCKS 2 /* prefetch distance, in row blocks */
 #endif
@@ -354,10 +360,17 @@ halves_tb(const int nt, const qmat *w, const int64_t *rows, const float *const *
     __m512 acc[BMK_TOK][RB];
     for (int j = 0; j < nt; j++)
         for (int i = 0; i < RB; i++) acc[j][i] = _mm512_setzero_ps();
+    /* The block MT_PREFETCH_BLOCKS ahead is fetched as one sequential stream, a few lines per
+     * group (the RB rows of a block are contiguous), and its scales a line per group: one
+     * sequential stream instead of a line of each row per group (measured: 4.6 MB experts from
+     * memory, 2 threads, Zen 4: 17.0-17.3 -> 19.2-20.3 GB/s best, with the chunk prologue). */
+    const int64_t per = mt_prefetch_step(RB * rb, ng);
+    const char *pf = (const char *)rp[0] + pfd, *spf = (const char *)(sp[0] + MT_PREFETCH_BLOCKS * RB * ng);
     for (int64_t c0 = 0, gi = 0; c0 < C; c0 += g, gi++) {
         __m512 tab[RB];
+        for (int64_t o = gi * per; o < (gi + 1) * per; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
+        if (gi * 64 < RB * ng * 2) _mm_prefetch(spf + gi * 64, _MM_HINT_T0);
         for (int i = 0; i < RB; i++) {
-            _mm_prefetch((const char *)rp[i] + c0 / 2 + pfd, _MM_HINT_T0);
             tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][gi])));
         }
         for (int64_t c = c0; c < c0 + g; c += 16) {
