@@ -366,13 +366,21 @@ halves_tb(const int nt, const qmat *w, const int64_t *rows, const float *const *
      * memory, 2 threads, Zen 4: 17.0-17.3 -> 19.2-20.3 GB/s best, with the chunk prologue). */
     const int64_t per = mt_prefetch_step(RB * rb, ng);
     const char *pf = (const char *)rp[0] + pfd, *spf = (const char *)(sp[0] + MT_PREFETCH_BLOCKS * RB * ng);
+    /* the scales of sixteen groups of each row, converted at once (in cache, one thread, Zen 4:
+     * 13.1 -> 15.4 GB/s against one scalar conversion per group) */
+    float sc[RB][16] __attribute__((aligned(64)));
     for (int64_t c0 = 0, gi = 0; c0 < C; c0 += g, gi++) {
         __m512 tab[RB];
         for (int64_t o = gi * per; o < (gi + 1) * per; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
         if (gi * 64 < RB * ng * 2) _mm_prefetch(spf + gi * 64, _MM_HINT_T0);
-        for (int i = 0; i < RB; i++) {
-            tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][gi])));
-        }
+        if ((gi & 15) == 0)
+            for (int i = 0; i < RB; i++) {
+                if (ng - gi >= 16)
+                    _mm512_store_ps(sc[i], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp[i] + gi))));
+                else
+                    for (int64_t j = 0; j < ng - gi; j++) sc[i][j] = _cvtsh_ss(sp[i][gi + j]);
+            }
+        for (int i = 0; i < RB; i++) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(sc[i][gi & 15]));
         for (int64_t c = c0; c < c0 + g; c += 16) {
             __m512 wv[RB];
             for (int i = 0; i < RB; i++) {
