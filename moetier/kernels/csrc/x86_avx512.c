@@ -274,20 +274,11 @@ fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, c
         for (int i = 0; i < RB; i++) acc[j][i] = _mm512_setzero_ps();
     for (int i = 0; i < RB; i++) tab[i] = _mm512_setzero_ps();
     int64_t s0 = 0, k = 0;
-    float sc[RB][16] __attribute__((aligned(64))); /* sixteen groups' scales per row, as halves_tb */
-    const int64_t ng = w->ngroups;
     for (; s0 < cfull; s0 += step, k++) {
-        if (quant && (k & 15) == 0)
-            for (int i = 0; i < RB; i++) {
-                if (ng - k >= 16)
-                    _mm512_store_ps(sc[i], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp[i] + k))));
-                else
-                    for (int64_t j = 0; j < ng - k; j++) sc[i][j] = _cvtsh_ss(sp[i][k + j]);
-            }
         for (int i = 0; i < RB; i++) {
             _mm_prefetch((const char *)rp[i] + k * step_bytes + pfd, _MM_HINT_T0);
-            if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(sc[i][k & 15]));
-            if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(sc[i][k & 15]);
+            if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][k])));
+            if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(_cvtsh_ss(sp[i][k]));
         }
         const int64_t s1 = s0 + step < cfull ? s0 + step : cfull;
         for (int64_t c = s0; c < s1; c += 16) {
