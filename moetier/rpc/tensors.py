@@ -20,12 +20,28 @@ MAX_NDIM = 8  # no tensor of the protocol has more than 3; numpy's own limit is 
 MAX_BYTES = 2**31  # a protobuf message is at most 2 GiB
 
 
+# Each wire dtype by name: little-endian (its bytes on the wire) and native (what a decoded view
+# is); and the wire name of each numpy dtype that crosses as one (either byte order). Looked up
+# rather than derived per tensor: numpy computes `dtype.name` in Python, a few microseconds a
+# call, and a decode step moves a dozen tensors per MoE layer.
+_LITTLE = {n: np.dtype(n).newbyteorder("<") for n in WIRE_DTYPES}
+_NATIVE = {n: np.dtype(n).newbyteorder("=") for n in WIRE_DTYPES}
+_WIRE_NAME = {**{d: n for n, d in _LITTLE.items()}, **{d.newbyteorder(">"): n for n, d in _LITTLE.items()},
+              **{d: n for n, d in _NATIVE.items()}}
+
+
+def _wire(a: np.ndarray) -> tuple[str, np.dtype]:
+    """The wire name and little-endian dtype of `a`'s dtype; InvalidArgument when it has none."""
+    name = _WIRE_NAME.get(a.dtype)
+    if name is None:
+        raise InvalidArgument(f"dtype {a.dtype} cannot cross the wire; expected one of {WIRE_DTYPES}")
+    return name, _LITTLE[name]
+
+
 def to_pb(a: np.ndarray) -> tensor_pb2.Tensor:
     a = np.ascontiguousarray(a)
-    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-    if dt.name not in WIRE_DTYPES:
-        raise InvalidArgument(f"dtype {a.dtype} cannot cross the wire; expected one of {WIRE_DTYPES}")
-    return tensor_pb2.Tensor(dtype=dt.name, shape=list(a.shape), data=a.astype(dt, copy=False).tobytes())
+    name, dt = _wire(a)
+    return tensor_pb2.Tensor(dtype=name, shape=list(a.shape), data=a.astype(dt, copy=False).tobytes())
 
 
 SHARED_ALIGN = 64  # offsets of tensors in a shared region
@@ -35,14 +51,12 @@ def to_shared(a: np.ndarray, region: mmap.mmap, offset: int) -> tuple[tensor_pb2
     """Write `a` into `region` at `offset` (a multiple of SHARED_ALIGN); the Tensor naming it,
     and the next free aligned offset. ValueError when it does not fit."""
     a = np.ascontiguousarray(a)
-    dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
-    if dt.name not in WIRE_DTYPES:
-        raise InvalidArgument(f"dtype {a.dtype} cannot cross the wire; expected one of {WIRE_DTYPES}")
+    name, dt = _wire(a)
     end = offset + a.nbytes
     if offset % SHARED_ALIGN or end > len(region):
         raise ValueError(f"{a.nbytes} bytes at offset {offset} do not fit the {len(region)}-byte region")
     np.frombuffer(region, dtype=np.uint8, count=a.nbytes, offset=offset)[:] = a.astype(dt, copy=False).view(np.uint8).reshape(-1)
-    t = tensor_pb2.Tensor(dtype=dt.name, shape=list(a.shape), shared=tensor_pb2.SharedSlice(offset=offset))
+    t = tensor_pb2.Tensor(dtype=name, shape=list(a.shape), shared=tensor_pb2.SharedSlice(offset=offset))
     return t, -(-end // SHARED_ALIGN) * SHARED_ALIGN
 
 
@@ -69,7 +83,7 @@ def from_pb(
         raise InvalidArgument(f"{field}: negative dimension in shape {list(shape)}")
     if len(shape) > MAX_NDIM:
         raise InvalidArgument(f"{field}: {len(shape)}-D tensor (at most {MAX_NDIM} dimensions)")
-    dt = np.dtype(t.dtype).newbyteorder("<")
+    dt, native = _LITTLE[t.dtype], _NATIVE[t.dtype]
     if math.prod(d for d in shape if d) * dt.itemsize > MAX_BYTES:  # even beside a 0, numpy refuses these
         raise InvalidArgument(f"{field}: shape {list(shape)} has dimensions beyond any message ({MAX_BYTES} bytes)")
     expected = math.prod(shape) * dt.itemsize  # Python ints: a product past int64 does not wrap to a fit
@@ -81,9 +95,9 @@ def from_pb(
             raise InvalidArgument(f"{field}: shared slice at offset {off} of {expected} bytes for shape "
                                   f"{list(shape)} {t.dtype} is not inside the {len(region)}-byte region")
         view = np.frombuffer(region, dtype=dt, count=math.prod(shape), offset=off)
-        return view.reshape(shape).astype(dt.newbyteorder("="), copy=False)
+        return view.reshape(shape).astype(native, copy=False)
     if len(t.data) != expected:
         raise InvalidArgument(
             f"{field}: {len(t.data)} bytes for shape {list(shape)} {t.dtype} (expected {expected})"
         )
-    return np.frombuffer(t.data, dtype=dt).reshape(shape).astype(dt.newbyteorder("="), copy=False)
+    return np.frombuffer(t.data, dtype=dt).reshape(shape).astype(native, copy=False)
