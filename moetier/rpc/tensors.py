@@ -26,8 +26,7 @@ MAX_BYTES = 2**31  # a protobuf message is at most 2 GiB
 # call, and a decode step moves a dozen tensors per MoE layer.
 _LITTLE = {n: np.dtype(n).newbyteorder("<") for n in WIRE_DTYPES}
 _NATIVE = {n: np.dtype(n).newbyteorder("=") for n in WIRE_DTYPES}
-_WIRE_NAME = {**{d: n for n, d in _LITTLE.items()}, **{d.newbyteorder(">"): n for n, d in _LITTLE.items()},
-              **{d: n for n, d in _NATIVE.items()}}
+_WIRE_NAME = {d: n for n, le in _LITTLE.items() for d in (le, le.newbyteorder(">"))}  # native is one of them
 
 
 def _wire(a: np.ndarray) -> tuple[str, np.dtype]:
