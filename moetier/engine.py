@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import InvalidArgument
-from moetier.kernels.fast import FastOps
+from moetier.kernels.fast import Activations, FastOps
 from moetier.model.forward import Model
 from moetier.model.generate import GeneratedToken, generate, teacher_forced_logits
 from moetier.model.kv_cache import KVCache
@@ -76,11 +76,12 @@ def load_dense(container: Container) -> dict[str, QTensor]:
     return container.resident_dense()
 
 
-def make_ops(reference: bool = False, threads: int | None = None) -> Ops:
-    """FastOps with `threads` kernel threads (default: every CPU), or the reference."""
+def make_ops(reference: bool = False, threads: int | None = None, activations: Activations | None = None) -> Ops:
+    """FastOps with `threads` kernel threads (default: every CPU) and `activations` (default: the
+    process's, exact unless `kernels.activations` says int8), or the reference."""
     if reference:
         return ReferenceOps()
-    return FastOps(threads=threads if threads is not None else DEFAULT_THREADS)
+    return FastOps(threads=threads if threads is not None else DEFAULT_THREADS, activations=activations)
 
 
 class Generation(Iterator[GeneratedToken]):
@@ -138,12 +139,13 @@ class Engine:
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, budget: str | int = "25%", reference: bool = False,
              threads: int | None = None, policy: str = "lru", direct: bool = True, prefix_cache: str | int = 0,
-             prefix_dir: Path | None = None, speculative: int = 0, fixed_k: bool = False) -> Engine:
+             prefix_dir: Path | None = None, speculative: int = 0, fixed_k: bool = False,
+             activations: Activations | None = None) -> Engine:
         """Open a container. `budget`: the expert RAM tier, bytes or a share of the expert bytes
         ("25%", "2GiB", or an int). `prefix_cache`: the prefix cache's byte budget (0: none),
         persisted in `prefix_dir` when given. `speculative`: most tokens the container's MTP head
         drafts per step (0: off; moetier.speculation decides how many pay, per step; `fixed_k`: always
-        that many)."""
+        that many). `activations`: the kernels' (make_ops)."""
         container = Container.open(path)
         prefix: PrefixCache | None = None
         try:
@@ -153,7 +155,7 @@ class Engine:
                 prefix = PrefixCache(args, container.index.identity,
                                      kv_identity(container.files, container.index.identity, args), prefix_dir,
                                      prefix_bytes)
-            ops = make_ops(reference, threads)
+            ops = make_ops(reference, threads, activations)
             budget_bytes = resolve_budget(str(budget), container.expert_bytes)
             layer_bytes = container.args.n_routed_experts * container.layout.record_bytes
             if budget_bytes < layer_bytes:

@@ -244,3 +244,37 @@ def test_bench_cache_decode_only_drops_prefill_steps() -> None:
     got = decode_only([prefill, decode[0], mixed, decode[1]])
     assert [[(la, i.tolist()) for la, i in s] for s in got] == [[(la, i.tolist()) for la, i in s] for s in decode]
     assert decode_only([]) == []
+
+
+@pytest.mark.skipif(not __import__("moetier.kernels", fromlist=["c_available"]).c_available(),
+                    reason="the int8-activation kernels are C only")
+def test_bench_activations_json(config: Path, tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_json(capsys, ["bench", "activations", "--json", "--config", str(config), "--presets", TINY,
+                          "--model", str(tiny), "--tokens", "24", "--prompt-tokens", "8", "--generate", "4"])
+    assert [row["model"] for row in r["rows"]] == ["demo", TINY, tiny.name]
+    demo, synth, given = r["rows"]
+    assert demo["kind"] in ("trained", "synth") and synth["kind"] == "synth" and given["kind"] == "given"
+    assert r["ratio"] == demo["top1"]
+    for row in r["rows"]:
+        assert row["positions"] == 24 and row["greedy_tokens"] == 4 and 0 <= row["greedy_equal"] <= 4
+        assert not row["identical"]  # int8 activations are another computation: the bits differ
+        assert 0 < row["rel_rms"] < 0.5 and row["max_abs"] > 0 and row["kl"] >= 0 and 0 <= row["top1"] <= 1
+    assert synth["top1"] == given["top1"] and synth["rel_rms"] == given["rel_rms"]  # the same container
+
+
+def test_bench_activations_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    from moetier.bench.activations import compare, first_difference
+
+    rng = np.random.default_rng(3)
+    exact = rng.standard_normal((5, 11)).astype(np.float32)
+    same = compare(exact, exact.copy())
+    assert same == {"top1": 1.0, "rel_rms": 0.0, "max_abs": 0.0, "kl": 0.0}
+    other = exact.copy()
+    top = np.argmax(exact, axis=1)
+    other[0, (top[0] + 1) % 11] = exact[0, top[0]] + 1.0  # row 0's arg max moves, by 1 + a gap
+    f = compare(exact, other)
+    assert f["top1"] == 0.8 and f["max_abs"] >= 1.0 and f["kl"] > 0 and 0 < f["rel_rms"] < 1
+    assert first_difference([1, 2, 3], [1, 2, 4]) == 2 and first_difference([1], [1]) == 1
+    assert first_difference([], [1]) == 0
+    assert main(["bench", "activations", "--tokens", "0"]) != 0
+    assert "--tokens must be at least 1" in capsys.readouterr().err

@@ -174,7 +174,7 @@ fail:
 
 /* out[t, k] = FFN_e(x[t]) for every (t, k) with ids[t, k] = e of a listed expert e (other
  * slots untouched): each expert's rows gathered in (t, k) order, all experts computed by one
- * mt_ffn_many (int8 activations: mt_ffn_q8 one by one), the rows scattered back. */
+ * mt_ffn_many (int8 activations too), the rows scattered back. */
 static PyObject *py_experts(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *xo, *io, *yo, *specs;
@@ -237,12 +237,7 @@ static PyObject *py_experts(PyObject *self, PyObject *args) {
         for (int64_t i = 0; i < ex[e].T; i++) memcpy(xs + (r + i) * D, x + (pos[r + i] / K) * D, (size_t)D * 4);
         r += ex[e].T;
     }
-    if (q8) {
-        for (Py_ssize_t e = 0; e < n && rc == 0; e++)
-            if (ex[e].T) rc = mt_ffn_q8(isa, nthreads, ex[e].x, ex[e].T, ex[e].gate, ex[e].up, ex[e].down, ex[e].y);
-    } else {
-        rc = mt_ffn_many(isa, nthreads, n, ex);
-    }
+    rc = mt_ffn_many(isa, nthreads, n, ex, q8);
     if (rc == 0)
         for (int64_t i = 0; i < nrows; i++) memcpy(y + pos[i] * D, ys + i * D, (size_t)D * 4);
     Py_END_ALLOW_THREADS

@@ -74,7 +74,7 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 11
+#define MT_KERNELS_VERSION 12
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
@@ -97,14 +97,27 @@ struct mt_isa;
 /* One linear call under the int8-activation contract: the quantized tokens and the weights. */
 #define MT_Q8B 64 /* columns per activation block */
 typedef struct q8ctx {
-    const int8_t *xq;    /* [T][nb * MT_Q8B]; int4 weights: each block's even columns, then its odd ones */
-    const float *xs;     /* [T][nb] block scales */
-    const int32_t *xsum; /* [T][nb] sum of a block's xq (int4: the -8 of every nibble) */
-    int64_t T, nb;
+    const int8_t *xq;     /* [T][xstride], column j at mt_q8_pos(dtype, j); 0 past C */
+    const float *xs;      /* [T][nb] block scales */
+    const int32_t *xsum;  /* [T][nb] sum of a block's xq (int4: the -8 of every nibble) */
+    const float *xsT;     /* [nb][Tp] xs by block, tokens >= T 0 (kernels that tile tokens; Tp >= T + 3) */
+    const int32_t *corrT; /* [nb][Tp] the weights' offset times xsum: int4 8 * xsum (nibble = q + 8),
+                           * int8 128 * xsum (q + 128 as an unsigned byte); tokens >= T 0 */
+    int64_t T, nb, xstride, Tp;
     const qmat *w;
     const float *bias;
     float *y;
 } q8ctx;
+
+/* Where xq keeps column j (block b = j / 64, column c = j % 64). int8 weights: in place.
+ * int4 weights: blocks in pairs (2p, 2p + 1), 128 bytes a pair: the even columns of block 2p,
+ * those of 2p + 1, then the odd columns of 2p and of 2p + 1 -- the low and the high nibbles
+ * of the pair's 64 bytes of a row, in order (an odd last block pairs with zeros). */
+static inline int64_t mt_q8_pos(int dtype, int64_t j) {
+    if (dtype != DT_INT4) return j;
+    const int64_t b = j / MT_Q8B, c = j % MT_Q8B;
+    return (b / 2) * 2 * MT_Q8B + (c & 1) * MT_Q8B + (b & 1) * (MT_Q8B / 2) + c / 2;
+}
 
 void mt_q8_rows_generic(const q8ctx *k, int64_t r0, int64_t n);
 
@@ -120,6 +133,8 @@ typedef struct {
     /* int4 weights on an ISA with an xp_order (see there): x's columns in that order
      * (mt_int4_pairs_src, mt_int4_halves_src), token by token; NULL otherwise */
     const float *xp;
+    /* NULL, or this linear under the int8-activation contract (x already quantized there) */
+    const struct q8ctx *q8;
 } linear_ctx;
 
 /* The orders an ISA's int4 kernels may want x's columns in (mt_isa.xp_order). */
@@ -185,6 +200,9 @@ extern const mt_isa mt_isa_generic;
 extern const mt_isa mt_isa_avx2;
 extern const mt_isa mt_isa_avx512;
 void mt_q8_rows_avx2(const q8ctx *k, int64_t r0, int64_t n); /* AVX2's q8_rows, for the AVX-512 table */
+/* AVX-512 VNNI's (x86_vnni.c), which the AVX-512 table takes where the CPU has VNNI */
+int mt_cpu_vnni(void);
+void mt_q8_rows_vnni(const q8ctx *k, int64_t r0, int64_t n);
 #endif
 #if defined(__aarch64__)
 extern const mt_isa mt_isa_neon;
@@ -269,9 +287,10 @@ float mt_hsum16(const float *a);
 
 void *mt_xalloc(size_t bytes);
 /* A per-thread buffer of at least `floats` floats, kept for the thread's next calls (slots
- * 0..7 are independent buffers, each used by one kernel: 0-2 the outer-product panels,
- * 3 x in an int4 order or the int8-activation scales, 4 linear row blocks, 5 attention scores of one token,
- * 6-7 the queries and scores of a block of tokens); NULL when out of memory. */
+ * 0..8 are independent buffers, each used by one kernel: 0-2 the outer-product panels,
+ * 3 x in an int4 order, 4 linear row blocks, 5 attention scores of one token,
+ * 6-7 the queries and scores of a block of tokens, 8 the int8-activation kernels' weight
+ * scales); NULL when out of memory. */
 float *mt_scratch(int slot, size_t floats);
 int64_t mt_rowbuf_len(const qmat *w);
 int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
@@ -287,8 +306,9 @@ typedef struct {
     const qmat *gate, *up, *down;
     float *y;
 } mt_expert;
-int mt_ffn_many(const mt_isa *isa, int nthreads, int64_t n, const mt_expert *ex);
-/* The same under the int8-activation contract (weights outside it: the exact kernels). */
+int mt_ffn_many(const mt_isa *isa, int nthreads, int64_t n, const mt_expert *ex, int q8);
+/* The same under the int8-activation contract (weights outside it: the exact kernels); mt_ffn_many
+ * with q8 set does so too. */
 int mt_linear_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
                  float *y);
 int mt_ffn_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,

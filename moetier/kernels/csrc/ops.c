@@ -44,7 +44,7 @@ void *mt_xalloc(size_t bytes) {
     return p;
 }
 
-#define SCRATCH_SLOTS 8
+#define SCRATCH_SLOTS 9
 typedef struct {
     float *p[SCRATCH_SLOTS];
     size_t n[SCRATCH_SLOTS];
@@ -108,8 +108,10 @@ typedef struct {
     uint8_t which[LINEAR_MAX_CHUNKS];                         /* of linear which[c] */
 } linear_job;
 
-/* The chunks of nk <= LINEAR_MAX_K linears of nb[i] blocks, at most bpc[i] blocks a chunk. */
-static int64_t plan_chunks(linear_job *j, const int64_t *nb, const int64_t *bpc_in, int nk, int nthreads) {
+/* The chunks of nk <= LINEAR_MAX_K linears of nb[i] blocks, at most bpc[i] blocks a chunk, each
+ * a multiple of gran[i] blocks but for a linear's last. */
+static int64_t plan_chunks(linear_job *j, const int64_t *nb, const int64_t *bpc_in, const int64_t *gran, int nk,
+                           int nthreads) {
     int64_t total = 0, est = 0, scale = 1;
     for (int i = 0; i < nk; i++) {
         total += nb[i];
@@ -124,6 +126,7 @@ static int64_t plan_chunks(linear_job *j, const int64_t *nb, const int64_t *bpc_
         while (b < nb[i]) {
             int64_t sz = (total - done - b + 2 * nthreads - 1) / (2 * nthreads);
             sz = sz > bpc ? bpc : sz < lo ? lo : sz;
+            sz = (sz + gran[i] - 1) / gran[i] * gran[i];
             int64_t e = b + sz > nb[i] ? nb[i] : b + sz;
             if (n >= LINEAR_MAX_CHUNKS - 2 * (nk - i)) e = nb[i]; /* the rest of this linear in one chunk */
             j->start[n] = b;
@@ -141,6 +144,11 @@ static void linear_chunk(void *ctx, int64_t chunk) {
     linear_job *j = ctx;
     const int64_t b0 = j->start[chunk], b1 = j->end[chunk];
     linear_ctx *k = j->k[j->which[chunk]];
+    if (k->q8) { /* the int8-activation contract: rows [b0 * RB, b1 * RB) */
+        const int64_t r0 = b0 * RB, r1 = b1 * RB < k->w->rows ? b1 * RB : k->w->rows;
+        (k->isa->q8_rows ? k->isa->q8_rows : mt_q8_rows_generic)(k->q8, r0, r1 - r0);
+        return;
+    }
     float *buf = mt_scratch(4, (size_t)(RB * k->blen + MT_STATE_TOKENS * RB * 16));
     if (!buf) {
         atomic_store(&k->failed, 1);
@@ -192,13 +200,15 @@ static int64_t blocks_per_chunk(const qmat *w, int64_t T, int pairs) {
 /* Run nk linear contexts (each with its x, xp, w, bias, y set) as one job. 0 or -1 (no memory). */
 static int linears_run(int nthreads, linear_ctx *k, int nk) {
     linear_job j;
-    int64_t nb[LINEAR_MAX_K], bpc[LINEAR_MAX_K];
+    int64_t nb[LINEAR_MAX_K], bpc[LINEAR_MAX_K], gran[LINEAR_MAX_K];
     for (int i = 0; i < nk; i++) {
         j.k[i] = &k[i];
         nb[i] = (k[i].w->rows + RB - 1) / RB;
-        bpc[i] = blocks_per_chunk(k[i].w, k[i].T, k[i].T == 1 && k[i].xp != NULL);
+        bpc[i] = blocks_per_chunk(k[i].w, k[i].T, k[i].T == 1 && (k[i].xp != NULL || k[i].q8 != NULL));
+        /* the int8-activation kernels work in tiles of 16 rows (x86_vnni.c) */
+        gran[i] = k[i].q8 ? 16 / RB : 1;
     }
-    const int64_t nchunks = plan_chunks(&j, nb, bpc, nk, nthreads > 1 ? nthreads : 1);
+    const int64_t nchunks = plan_chunks(&j, nb, bpc, gran, nk, nthreads > 1 ? nthreads : 1);
     mt_pool_run(nthreads, nchunks, linear_chunk, &j);
     for (int i = 0; i < nk; i++)
         if (atomic_load(&k[i].failed)) return -1;
@@ -231,6 +241,108 @@ int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const 
     return linear_job_run(isa, nthreads, x, T, w, bias, y, NULL, NULL);
 }
 
+/* ---------------------------------------------------------------- int8 activations (lossy) */
+
+/* The quantized weight of row r at column c: q (int8) or nibble - 8 (int4). */
+static inline int32_t wq_at(const qmat *w, int64_t r, int64_t c) {
+    const uint8_t *row = w->data + r * w->row_bytes;
+    if (w->dtype == DT_INT8) return (int8_t)row[c];
+    const uint8_t b = row[c / 2];
+    return (int32_t)((c & 1) ? b >> 4 : b & 15) - 8;
+}
+
+void mt_q8_rows_generic(const q8ctx *k, int64_t r0, int64_t n) {
+    const qmat *w = k->w;
+    const int64_t C = w->cols, R = w->rows;
+    for (int64_t r = r0; r < r0 + n; r++) {
+        const uint16_t *ws = w->scales + r * w->ngroups;
+        for (int64_t t = 0; t < k->T; t++) {
+            const int8_t *xq = k->xq + t * k->xstride;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < k->nb; b++) {
+                int32_t isum = 0;
+                for (int64_t j = MT_Q8B * b; j < MT_Q8B * (b + 1) && j < C; j++)
+                    isum += wq_at(w, r, j) * xq[mt_q8_pos(w->dtype, j)];
+                const float sc = mt_f16(ws[(MT_Q8B * b) / w->g]) * k->xs[t * k->nb + b];
+                acc = fmaf(sc, (float)isum, acc);
+            }
+            k->y[t * R + r] = k->bias ? acc + k->bias[r] : acc;
+        }
+    }
+}
+
+/* Whether w's linears may run under the int8-activation contract (else: the exact kernels). */
+static int q8_ok(const qmat *w) {
+    return (w->dtype == DT_INT8 || w->dtype == DT_INT4) && w->g > 0 && w->g % MT_Q8B == 0;
+}
+
+/* x [T, C] quantized for weights of one dtype: the buffers a q8ctx points into. */
+typedef struct {
+    int8_t *xq;
+    float *xs, *xsT;
+    int32_t *xsum, *corrT;
+    int64_t T, nb, xstride, Tp;
+} q8acts;
+
+static void q8_free(q8acts *a) {
+    free(a->xq);
+    free(a->xs);
+    free(a->xsT);
+    free(a->xsum);
+    free(a->corrT);
+    memset(a, 0, sizeof(*a));
+}
+
+/* The contract's quantization of x's blocks of 64 (mt.h), in the layouts of q8ctx. 0 or -1. */
+static int q8_quantize(const float *x, int64_t T, int64_t C, int dtype, q8acts *a) {
+    const int64_t nb = (C + MT_Q8B - 1) / MT_Q8B, nbp = dtype == DT_INT4 ? (nb + 1) / 2 * 2 : nb;
+    const int64_t Tp = (T + 3 + 15) / 16 * 16, xstride = nbp * MT_Q8B; /* a tile of 4 tokens may pass T by 3 */
+    const int32_t off = dtype == DT_INT4 ? 8 : 128;
+    *a = (q8acts){mt_xalloc((size_t)(T * xstride)), mt_xalloc((size_t)(T * nb) * 4), mt_xalloc((size_t)(nb * Tp) * 4),
+                  mt_xalloc((size_t)(T * nb) * 4), mt_xalloc((size_t)(nb * Tp) * 4), T, nb, xstride, Tp};
+    if (!a->xq || !a->xs || !a->xsT || !a->xsum || !a->corrT) {
+        q8_free(a);
+        return -1;
+    }
+    memset(a->xq, 0, (size_t)(T * xstride));
+    memset(a->xsT, 0, (size_t)(nb * Tp) * 4);
+    memset(a->corrT, 0, (size_t)(nb * Tp) * 4);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + t * C + MT_Q8B * b;
+            const int64_t n = C - MT_Q8B * b < MT_Q8B ? C - MT_Q8B * b : MT_Q8B;
+            float amax = 0.0f;
+            for (int64_t j = 0; j < n; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+            const float sc = amax / 127.0f;
+            int32_t sum = 0;
+            for (int64_t j = 0; j < n; j++) {
+                const int32_t q = sc > 0.0f ? (int32_t)rintf(xb[j] / sc) : 0;
+                a->xq[t * xstride + mt_q8_pos(dtype, MT_Q8B * b + j)] = (int8_t)q;
+                sum += q;
+            }
+            a->xs[t * nb + b] = a->xsT[b * Tp + t] = sc;
+            a->xsum[t * nb + b] = sum;
+            a->corrT[b * Tp + t] = off * sum;
+        }
+    return 0;
+}
+
+static q8ctx q8_ctx(const q8acts *a, const qmat *w, const float *bias, float *y) {
+    return (q8ctx){a->xq, a->xs, a->xsum, a->xsT, a->corrT, a->T, a->nb, a->xstride, a->Tp, w, bias, y};
+}
+
+int mt_linear_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
+                 float *y) {
+    if (!q8_ok(w)) return mt_linear(isa, nthreads, x, T, w, bias, y); /* outside the contract: exact */
+    q8acts a;
+    if (q8_quantize(x, T, w->cols, w->dtype, &a) != 0) return -1;
+    const q8ctx qk = q8_ctx(&a, w, bias, y);
+    linear_ctx k = {isa, x, T, 0, w, bias, y, 0, NULL, &qk};
+    const int rc = linears_run(nthreads, &k, 1);
+    q8_free(&a);
+    return rc;
+}
+
 /* SwiGLU expert: y = down(silu(gate x) * up x). x [T, D], y [T, D]. */
 int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
            const qmat *down, float *y) {
@@ -249,35 +361,61 @@ int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qma
 
 /* Up to LINEAR_MAX_K / 2 experts of few tokens each: every gate and up in one job, then every
  * down in one job -- two waits for the pool instead of two per expert, and the threads share
- * all the experts' rows (a layer's experts at decode are a few MB in all). */
-static int ffn_group(const mt_isa *isa, int nthreads, int n, const mt_expert *ex) {
+ * all the experts' rows (a layer's experts at decode are a few MB in all). q8: the linears
+ * inside the int8-activation contract run under it, an expert's gate and up on one
+ * quantization of x. */
+static int ffn_group(const mt_isa *isa, int nthreads, int n, const mt_expert *ex, int q8) {
     linear_ctx k[LINEAR_MAX_K];
-    float *h[LINEAR_MAX_K / 2][3]; /* hg, hu, xp of hg */
+    q8ctx qk[LINEAR_MAX_K];
+    q8acts qa[LINEAR_MAX_K / 2][3]; /* x for the gate, x for an up of another dtype, h for the down */
+    float *h[LINEAR_MAX_K / 2][3];  /* hg, hu, xp of hg */
     float *xp[LINEAR_MAX_K / 2];
     int rc = 0;
     memset(h, 0, sizeof(h));
     memset(xp, 0, sizeof(xp));
+    memset(qa, 0, sizeof(qa));
     for (int e = 0; e < n && rc == 0; e++) {
         const mt_expert *x = &ex[e];
         const int64_t TI = x->T * x->gate->rows;
+        const int gq = q8 && q8_ok(x->gate), uq = q8 && q8_ok(x->up);
+        const int ushare = gq && uq && x->up->dtype == x->gate->dtype;
         h[e][0] = mt_xalloc((size_t)TI * 4);
         h[e][1] = mt_xalloc((size_t)TI * 4);
         if (!h[e][0] || !h[e][1]) rc = -1;
-        if (rc == 0 && xp_wanted(isa, x->gate)) {
+        if (rc == 0 && gq && q8_quantize(x->x, x->T, x->gate->cols, x->gate->dtype, &qa[e][0]) != 0) rc = -1;
+        if (rc == 0 && uq && !ushare && q8_quantize(x->x, x->T, x->up->cols, x->up->dtype, &qa[e][1]) != 0) rc = -1;
+        const int gxp = !gq && xp_wanted(isa, x->gate), uxp = !uq && xp_wanted(isa, x->up);
+        if (rc == 0 && (gxp || uxp)) { /* gate and up have the same columns, so the same order */
             if (!(xp[e] = mt_xalloc((size_t)(x->T * x->gate->cols) * 4))) rc = -1;
             else xp_order_into(isa, x->x, x->T, x->gate->cols, xp[e]);
         }
-        if (rc == 0 && xp_wanted(isa, x->down) && !(h[e][2] = mt_xalloc((size_t)TI * 4))) rc = -1;
-        k[2 * e] = (linear_ctx){isa, x->x, x->T, mt_rowbuf_len(x->gate), x->gate, NULL, h[e][0], 0, xp[e]};
-        k[2 * e + 1] = (linear_ctx){isa, x->x, x->T, mt_rowbuf_len(x->up), x->up, NULL, h[e][1], 0,
-                                    xp_wanted(isa, x->up) ? xp[e] : NULL};
+        if (rc == 0 && !(q8 && q8_ok(x->down)) && xp_wanted(isa, x->down) && !(h[e][2] = mt_xalloc((size_t)TI * 4)))
+            rc = -1;
+        k[2 * e] = (linear_ctx){isa, x->x, x->T, mt_rowbuf_len(x->gate), x->gate, NULL, h[e][0], 0, gxp ? xp[e] : NULL,
+                                NULL};
+        k[2 * e + 1] = (linear_ctx){isa, x->x, x->T, mt_rowbuf_len(x->up), x->up, NULL, h[e][1], 0, uxp ? xp[e] : NULL,
+                                    NULL};
+        if (rc == 0 && gq) {
+            qk[2 * e] = q8_ctx(&qa[e][0], x->gate, NULL, h[e][0]);
+            k[2 * e].q8 = &qk[2 * e];
+        }
+        if (rc == 0 && uq) {
+            qk[2 * e + 1] = q8_ctx(&qa[e][ushare ? 0 : 1], x->up, NULL, h[e][1]);
+            k[2 * e + 1].q8 = &qk[2 * e + 1];
+        }
     }
     if (rc == 0) rc = linears_run(nthreads, k, 2 * n);
     for (int e = 0; e < n && rc == 0; e++) {
         const mt_expert *x = &ex[e];
+        const int dq = q8 && q8_ok(x->down);
         isa->swiglu(h[e][0], h[e][1], x->T * x->gate->rows);
+        if (dq && q8_quantize(h[e][0], x->T, x->down->cols, x->down->dtype, &qa[e][2]) != 0) rc = -1;
         if (h[e][2]) xp_order_into(isa, h[e][0], x->T, x->down->cols, h[e][2]);
-        k[e] = (linear_ctx){isa, h[e][0], x->T, mt_rowbuf_len(x->down), x->down, NULL, x->y, 0, h[e][2]};
+        k[e] = (linear_ctx){isa, h[e][0], x->T, mt_rowbuf_len(x->down), x->down, NULL, x->y, 0, h[e][2], NULL};
+        if (rc == 0 && dq) {
+            qk[e] = q8_ctx(&qa[e][2], x->down, NULL, x->y);
+            k[e].q8 = &qk[e];
+        }
     }
     if (rc == 0) rc = linears_run(nthreads, k, n);
     for (int e = 0; e < n; e++) {
@@ -285,27 +423,34 @@ static int ffn_group(const mt_isa *isa, int nthreads, int n, const mt_expert *ex
         free(h[e][1]);
         free(h[e][2]);
         free(xp[e]);
+        for (int i = 0; i < 3; i++) q8_free(&qa[e][i]);
     }
     return rc;
 }
 
-int mt_ffn_many(const mt_isa *isa, int nthreads, int64_t n, const mt_expert *ex) {
+int mt_ffn_many(const mt_isa *isa, int nthreads, int64_t n, const mt_expert *ex, int q8) {
     mt_expert group[LINEAR_MAX_K / 2];
     int ng = 0;
     for (int64_t e = 0; e < n; e++) {
         const mt_expert *x = &ex[e];
         if (x->T <= 0) continue;
-        if (isa->linear_many && x->T >= isa->many_min) { /* a big batch: its own outer-product jobs */
+        if (!q8 && isa->linear_many && x->T >= isa->many_min) { /* a big batch: its own outer-product jobs */
             if (mt_ffn(isa, nthreads, x->x, x->T, x->gate, x->up, x->down, x->y) != 0) return -1;
             continue;
         }
         group[ng++] = *x;
         if (ng == LINEAR_MAX_K / 2) {
-            if (ffn_group(isa, nthreads, ng, group) != 0) return -1;
+            if (ffn_group(isa, nthreads, ng, group, q8) != 0) return -1;
             ng = 0;
         }
     }
-    return ng ? ffn_group(isa, nthreads, ng, group) : 0;
+    return ng ? ffn_group(isa, nthreads, ng, group, q8) : 0;
+}
+
+int mt_ffn_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
+              const qmat *down, float *y) {
+    const mt_expert e = {x, T, gate, up, down, y};
+    return mt_ffn_many(isa, nthreads, 1, &e, 1);
 }
 
 void mt_glu_clamped(float *g, const float *u, int64_t n, float alpha, float limit) {
@@ -315,110 +460,6 @@ void mt_glu_clamped(float *g, const float *u, int64_t n, float alpha, float limi
         const float sg = 1.0f / (1.0f + mt_exp(0.0f - gv * alpha));
         g[i] = (uv + 1.0f) * (gv * sg);
     }
-}
-
-/* ---------------------------------------------------------------- int8 activations (lossy) */
-
-/* The quantized weight of row r at column c: q (int8) or nibble - 8 (int4). */
-static inline int32_t wq_at(const qmat *w, int64_t r, int64_t c) {
-    const uint8_t *row = w->data + r * w->row_bytes;
-    if (w->dtype == DT_INT8) return (int8_t)row[c];
-    const uint8_t b = row[c / 2];
-    return (int32_t)((c & 1) ? b >> 4 : b & 15) - 8;
-}
-
-/* xq's column order inside a block: int4 weights keep each block's even columns first
- * (the low nibbles of its 32 bytes), then its odd ones, so a kernel multiplies nibble
- * vectors with activation vectors directly; int8 weights: natural order. */
-static inline int64_t q8_pos(int dtype, int64_t j) { return dtype == DT_INT4 ? (j & 1) * (MT_Q8B / 2) + j / 2 : j; }
-
-void mt_q8_rows_generic(const q8ctx *k, int64_t r0, int64_t n) {
-    const qmat *w = k->w;
-    const int64_t C = w->cols, R = w->rows;
-    for (int64_t r = r0; r < r0 + n; r++) {
-        const uint16_t *ws = w->scales + r * w->ngroups;
-        for (int64_t t = 0; t < k->T; t++) {
-            const int8_t *xq = k->xq + t * k->nb * MT_Q8B;
-            float acc = 0.0f;
-            for (int64_t b = 0; b < k->nb; b++) {
-                int32_t isum = 0;
-                for (int64_t j = 0; j < MT_Q8B && MT_Q8B * b + j < C; j++)
-                    isum += wq_at(w, r, MT_Q8B * b + j) * xq[b * MT_Q8B + q8_pos(w->dtype, j)];
-                const float sc = mt_f16(ws[(MT_Q8B * b) / w->g]) * k->xs[t * k->nb + b];
-                acc = fmaf(sc, (float)isum, acc);
-            }
-            k->y[t * R + r] = k->bias ? acc + k->bias[r] : acc;
-        }
-    }
-}
-
-typedef struct {
-    const mt_isa *isa;
-    const q8ctx *k;
-    int64_t rows_per_chunk;
-} q8job;
-
-static void q8_chunk(void *ctx, int64_t chunk) {
-    const q8job *j = ctx;
-    const int64_t r0 = chunk * j->rows_per_chunk, R = j->k->w->rows;
-    const int64_t n = r0 + j->rows_per_chunk < R ? j->rows_per_chunk : R - r0;
-    (j->isa->q8_rows ? j->isa->q8_rows : mt_q8_rows_generic)(j->k, r0, n);
-}
-
-int mt_linear_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
-                 float *y) {
-    if ((w->dtype != DT_INT8 && w->dtype != DT_INT4) || w->g % MT_Q8B)
-        return mt_linear(isa, nthreads, x, T, w, bias, y); /* outside the contract: exact */
-    const int64_t C = w->cols, nb = (C + MT_Q8B - 1) / MT_Q8B;
-    int8_t *xq = mt_xalloc((size_t)(T * nb * MT_Q8B));
-    float *xs = mt_xalloc((size_t)(T * nb) * 4);
-    int32_t *xsum = mt_xalloc((size_t)(T * nb) * 4);
-    int rc = -1;
-    if (xq && xs && xsum) {
-        memset(xq, 0, (size_t)(T * nb * MT_Q8B));
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t b = 0; b < nb; b++) {
-                const float *xb = x + t * C + MT_Q8B * b;
-                const int64_t n = C - MT_Q8B * b < MT_Q8B ? C - MT_Q8B * b : MT_Q8B;
-                float amax = 0.0f;
-                for (int64_t j = 0; j < n; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
-                const float sc = amax / 127.0f;
-                int32_t sum = 0;
-                for (int64_t j = 0; j < n; j++) {
-                    const int32_t q = sc > 0.0f ? (int32_t)rintf(xb[j] / sc) : 0;
-                    xq[(t * nb + b) * MT_Q8B + q8_pos(w->dtype, j)] = (int8_t)q;
-                    sum += q;
-                }
-                xs[t * nb + b] = sc;
-                xsum[t * nb + b] = sum;
-            }
-        const q8ctx k = {xq, xs, xsum, T, nb, w, bias, y};
-        /* about 32 KiB of weights per chunk, a multiple of 8 rows */
-        int64_t rpc = ((32 << 10) / (w->row_bytes > 0 ? w->row_bytes : 1) + 7) / 8 * 8;
-        if (rpc < 8) rpc = 8;
-        q8job job = {isa, &k, rpc};
-        mt_pool_run(nthreads, (w->rows + rpc - 1) / rpc, q8_chunk, &job);
-        rc = 0;
-    }
-    free(xq);
-    free(xs);
-    free(xsum);
-    return rc;
-}
-
-int mt_ffn_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
-              const qmat *down, float *y) {
-    const int64_t I = gate->rows;
-    float *hg = mt_xalloc((size_t)(T * I) * 4), *hu = mt_xalloc((size_t)(T * I) * 4);
-    int rc = -1;
-    if (hg && hu && mt_linear_q8(isa, nthreads, x, T, gate, NULL, hg) == 0 &&
-        mt_linear_q8(isa, nthreads, x, T, up, NULL, hu) == 0) {
-        isa->swiglu(hg, hu, T * I);
-        rc = mt_linear_q8(isa, nthreads, hg, T, down, NULL, y);
-    }
-    free(hg);
-    free(hu);
-    return rc;
 }
 
 /* ---------------------------------------------------------------- norms, softmax */

@@ -1029,10 +1029,12 @@ MT_AVX2 INLINE __m256i hsum8x8(const __m256i p[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* Block b's exact integer sums of eight rows (rp) with one token's activations xb. */
+/* Block b's exact integer sums of eight rows (rp) with one token's activations xb: int8, the
+ * block's 64 in order; int4, its 32 even columns (the odd ones 64 further, mt_q8_pos). */
 MT_AVX2 INLINE __m256i q8_block(const int int4, const uint8_t *const *rp, int64_t b, const int8_t *xb) {
     const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
-    const __m256i X0 = _mm256_loadu_si256((const __m256i *)xb), X1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
+    const __m256i X0 = _mm256_loadu_si256((const __m256i *)xb),
+                  X1 = _mm256_loadu_si256((const __m256i *)(xb + (int4 ? MT_Q8B : 32)));
     __m256i p[8];
     for (int i = 0; i < 8; i++) {
         if (int4) {
@@ -1063,7 +1065,7 @@ MT_AVX2 INLINE void q8_rows_dt(const int int4, const q8ctx *k, int64_t r0, int64
             for (int64_t gi = 0; gi < w->ngroups; gi++) wsv[gi * 8 + i] = _cvtsh_ss(w->scales[r * w->ngroups + gi]);
         }
         for (int64_t t = 0; t < k->T; t++) {
-            const int8_t *xq = k->xq + t * nb * MT_Q8B;
+            const int8_t *xq = k->xq + t * k->xstride;
             const float *xs = k->xs + t * nb;
             const int32_t *xsum = k->xsum + t * nb;
             __m256 acc = _mm256_setzero_ps();
@@ -1071,7 +1073,7 @@ MT_AVX2 INLINE void q8_rows_dt(const int int4, const q8ctx *k, int64_t r0, int64
                 const __m256 ws = _mm256_loadu_ps(wsv + gi * 8);
                 const int64_t b1 = b0 + gpb < nb ? b0 + gpb : nb;
                 for (int64_t b = b0; b < b1; b++) {
-                    __m256i isum = q8_block(int4, rp, b, xq + b * MT_Q8B);
+                    __m256i isum = q8_block(int4, rp, b, xq + (int4 ? mt_q8_pos(DT_INT4, MT_Q8B * b) : MT_Q8B * b));
                     if (int4) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * xsum[b]));
                     acc = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_set1_ps(xs[b])), _mm256_cvtepi32_ps(isum), acc);
                 }
@@ -1085,7 +1087,7 @@ MT_AVX2 INLINE void q8_rows_dt(const int int4, const q8ctx *k, int64_t r0, int64
 }
 
 MT_AVX2 static void q8_rows_avx2(const q8ctx *k, int64_t r0, int64_t n) {
-    float *wsv = mt_scratch(3, (size_t)(k->w->ngroups * 8));
+    float *wsv = mt_scratch(8, (size_t)(k->w->ngroups * 8));
     if (!wsv) /* no memory for 8 scales per group: the generic loop needs none */
         mt_q8_rows_generic(k, r0, n);
     else if (k->w->dtype == DT_INT4)
