@@ -13,6 +13,7 @@
 
 #if defined(__aarch64__)
 #include <arm_neon.h>
+#include <sys/auxv.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -475,12 +476,94 @@ static uint64_t read_probe_neon(const uint8_t *p, int64_t bytes) {
     return vgetq_lane_u64(s0, 0) + vgetq_lane_u64(s0, 1);
 }
 
+/* ---------------------------------------------------------------- int8 activations (SDOT) */
+
+/* The int8-activation contract (mt.h) with the dot-product extension (SDOT: sixteen signed
+ * bytes times sixteen, summed four by four into four int32; ARMv8.2's optional FEAT_DotProd,
+ * in every ARMv8.4 CPU): four rows at a time, a block's partial sums of the four rows folded by
+ * pairwise adds into one vector (lane i: row i), then the contract's float steps per lane.
+ * int4: the nibbles (0..15) multiply the even and the odd columns (mt_q8_pos) and 8 * sum(xq)
+ * is subtracted after; int8: q times xq directly. Integer sums are exact in any order. */
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1UL << 20)
+#endif
+#define MT_DOT __attribute__((target("arch=armv8.2-a+dotprod")))
+
+static int cpu_dotprod(void) {
+    static atomic_int v = -1; /* racing first callers store the same value */
+    int x = atomic_load_explicit(&v, memory_order_relaxed);
+    if (x < 0) {
+        x = (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+        atomic_store_explicit(&v, x, memory_order_relaxed);
+    }
+    return x;
+}
+
+MT_DOT static void q8_rows_dot(const q8ctx *k, int64_t r0, int64_t n, float *wsv) {
+    const qmat *w = k->w;
+    const int64_t R = w->rows, nb = k->nb, gpb = w->g / MT_Q8B;
+    const int int4 = w->dtype == DT_INT4;
+    const uint8x16_t m4 = vdupq_n_u8(0x0F);
+    for (int64_t g0 = r0; g0 < r0 + n; g0 += 4) {
+        const int nr = (int)(r0 + n - g0 < 4 ? r0 + n - g0 : 4);
+        const uint8_t *rp[4];
+        for (int i = 0; i < 4; i++) {
+            const int64_t r = g0 + (i < nr ? i : nr - 1); /* past the chunk: repeat (unused) */
+            rp[i] = w->data + r * w->row_bytes;
+            for (int64_t gi = 0; gi < w->ngroups; gi++) wsv[gi * 4 + i] = mt_f16(w->scales[r * w->ngroups + gi]);
+        }
+        for (int64_t t = 0; t < k->T; t++) {
+            const int8_t *xq = k->xq + t * k->xstride;
+            float32x4_t acc = vdupq_n_f32(0.0f);
+            for (int64_t b = 0; b < nb; b++) {
+                int32x4_t s[4];
+                if (int4) {
+                    const int8_t *xe = xq + mt_q8_pos(DT_INT4, MT_Q8B * b), *xo = xe + MT_Q8B;
+                    const int8x16_t e0 = vld1q_s8(xe), e1 = vld1q_s8(xe + 16), o0 = vld1q_s8(xo), o1 = vld1q_s8(xo + 16);
+                    for (int i = 0; i < 4; i++) {
+                        const uint8x16_t v0 = vld1q_u8(rp[i] + b * 32), v1 = vld1q_u8(rp[i] + b * 32 + 16);
+                        int32x4_t a = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(vandq_u8(v0, m4)), e0);
+                        a = vdotq_s32(a, vreinterpretq_s8_u8(vandq_u8(v1, m4)), e1);
+                        a = vdotq_s32(a, vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), o0);
+                        s[i] = vdotq_s32(a, vreinterpretq_s8_u8(vshrq_n_u8(v1, 4)), o1);
+                    }
+                } else {
+                    const int8_t *xb = xq + MT_Q8B * b;
+                    const int8x16_t X0 = vld1q_s8(xb), X1 = vld1q_s8(xb + 16), X2 = vld1q_s8(xb + 32),
+                                    X3 = vld1q_s8(xb + 48);
+                    for (int i = 0; i < 4; i++) {
+                        const int8_t *wb = (const int8_t *)rp[i] + MT_Q8B * b;
+                        int32x4_t a = vdotq_s32(vdupq_n_s32(0), vld1q_s8(wb), X0);
+                        a = vdotq_s32(a, vld1q_s8(wb + 16), X1);
+                        a = vdotq_s32(a, vld1q_s8(wb + 32), X2);
+                        s[i] = vdotq_s32(a, vld1q_s8(wb + 48), X3);
+                    }
+                }
+                int32x4_t sum = vpaddq_s32(vpaddq_s32(s[0], s[1]), vpaddq_s32(s[2], s[3])); /* lane i: row i */
+                if (int4) sum = vsubq_s32(sum, vdupq_n_s32(8 * k->xsum[t * nb + b]));
+                const float32x4_t sc = vmulq_n_f32(vld1q_f32(wsv + (b / gpb) * 4), k->xs[t * nb + b]);
+                acc = vfmaq_f32(acc, sc, vcvtq_f32_s32(sum));
+            }
+            float o[4];
+            vst1q_f32(o, acc);
+            for (int i = 0; i < nr; i++) k->y[t * R + g0 + i] = k->bias ? o[i] + k->bias[g0 + i] : o[i];
+        }
+    }
+}
+
+static void q8_rows_neon(const q8ctx *k, int64_t r0, int64_t n) {
+    float *wsv = cpu_dotprod() ? mt_scratch(8, (size_t)(k->w->ngroups * 4)) : NULL;
+    if (wsv) q8_rows_dot(k, r0, n, wsv);
+    else mt_q8_rows_generic(k, r0, n); /* no SDOT (or no memory for the scales) */
+}
+
 static int supported_neon(void) { return 1; }
 
 const mt_isa mt_isa_neon = {
     .name = "neon",
     .supported = supported_neon,
     .linear_block = linear_block_neon,
+    .q8_rows = q8_rows_neon,
     .tile = tile_neon,
     .sum = sum_neon,
     .max = max_neon,
