@@ -88,6 +88,10 @@ class StorageSection(_Section):
     prefetch: bool = Field(True, description="Act on prefetch hints from dense workers.")
     preload: bool = Field(True, description="When the RAM tier budget holds every expert the store serves, "
                           "read them all at start, before it reports ready (a smaller budget fills on demand).")
+    share: bool = Field(True, description="When the RAM tier holds every expert the store serves (after the "
+                        "preload), keep them in one shared memory that a dense worker on this host maps over the "
+                        "local lane and computes its calls from itself, with the same kernels (no round trip); "
+                        "off: every call is sent to the store.")
     prefetch_depth: int = Field(64, ge=0, le=4096, description="Queued prefetch reads before hints drop.")
     mirrors: list[Path] = Field(default_factory=list, description="Extra copies (full or partial) of the "
                                 "container's experts/ files; reads spread across copies.")
@@ -138,6 +142,10 @@ class InferenceSection(_Section):
     local_lane: bool = Field(True, description="Send ComputeExperts and prefetch hints over the expert store's "
                              "local lane (a unix socket and shared memory) when the store is on this host; off: "
                              "gRPC only.")
+    shared_experts: bool = Field(True, description="Where the expert store on this host shares its experts "
+                                 "(storage.share), compute them here from its shared memory instead of sending "
+                                 "ComputeExperts over the local lane (the same kernels: the same bits); off: send "
+                                 "every call.")
     speculative_tokens: int = Field(3, ge=0, le=8, description="Most tokens the MTP head drafts per sequence "
                                     "and step (0: no speculative decoding); each step drafts as many as the "
                                     "measured cost model says pay, possibly none.")

@@ -18,6 +18,10 @@ answers the same: the lane changes the speed of a call, never its result.
     lane.prefetch(prefetch_request)
     lane.close()
 
+A store whose RAM tier holds every expert shares them (LocalReady.shared: a memfd of the records,
+mapped read-only here as `SharedRecords`); its caller then computes those calls itself with the
+same kernels and reports them (LocalUsage), so the store still counts them.
+
 The server runs one thread per connection, which computes the calls of that connection itself
 (no hand-off to another thread or an event loop). It accepts peers of its own user only
 (SO_PEERCRED), as a file in a 0700 directory would.
@@ -31,11 +35,13 @@ import math
 import mmap
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -49,14 +55,43 @@ from moetier.rpc.v1 import expert_store_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-HELLO, READY, COMPUTE, PREFETCH, REPLY, ERROR = range(1, 7)
+HELLO, READY, COMPUTE, PREFETCH, REPLY, ERROR, USAGE = range(1, 8)
 MAX_FRAME = 1 << 16  # a frame holds small messages only: tensors are in the region
 REGION_BYTES = 64 << 20  # default region: a few prefill chunks of a wide model (pages are touched as used)
 HELLO_TIMEOUT_S = 5.0
 
 ComputeHandler = Callable[[pb.ComputeExpertsRequest, mmap.mmap], tuple[pb.ComputeExpertsResponse, np.ndarray]]
 PrefetchHandler = Callable[[pb.PrefetchRequest], object]
+UsageHandler = Callable[[pb.LocalUsage], object]
 F32 = npt.NDArray[np.float32]
+
+
+@dataclass
+class SharedOffer:
+    """What a store shares with callers that ask (LocalReady.shared): its records' memory."""
+
+    fd: int  # a memfd; the store keeps it open
+    size: int
+    table: npt.NDArray[np.int64]  # [N, 4] (layer, expert, offset, length)
+    model_id: str
+
+
+class SharedRecords:
+    """A store's shared records, mapped read-only by a caller: `record(layer, expert)` is the
+    verified record's bytes (a view: valid while this object lives)."""
+
+    def __init__(self, mapping: mmap.mmap, table: npt.NDArray[np.int64], model_id: str) -> None:
+        self.mapping, self.model_id = mapping, model_id
+        self._bytes = np.frombuffer(mapping, dtype=np.uint8)
+        self.where = {(int(r[0]), int(r[1])): (int(r[2]), int(r[3])) for r in table.tolist()}
+        for (layer, expert), (off, n) in self.where.items():
+            if off < 0 or n <= 0 or off + n > len(self._bytes):
+                raise Unavailable(f"shared experts: layer {layer} expert {expert} at [{off}, {off + n}) lies "
+                                  f"outside the {len(self._bytes)}-byte shared memory")
+
+    def record(self, layer: int, expert: int) -> npt.NDArray[np.uint8]:
+        off, n = self.where[(layer, expert)]
+        return self._bytes[off : off + n]
 
 
 def lane_name(token: str) -> str:
@@ -91,10 +126,14 @@ def _raise(payload: bytes, what: str) -> None:
 
 # ---- the server (the expert store) ----------------------------------------------------------
 class LocalServer:
-    def __init__(self, compute: ComputeHandler, prefetch: PrefetchHandler, token: str | None = None) -> None:
+    def __init__(self, compute: ComputeHandler, prefetch: PrefetchHandler, token: str | None = None, *,
+                 shared: Callable[[], SharedOffer | None] | None = None, usage: UsageHandler | None = None) -> None:
+        """shared: what the store shares now (None: nothing yet); usage: takes the LocalUsage of
+        callers that compute from it."""
         self.token = token or secrets.token_hex(16)
         self.name = lane_name(self.token)
         self._compute, self._prefetch = compute, prefetch
+        self._shared, self._usage = shared, usage
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.bind(_address(self.name))
         self._sock.listen(16)
@@ -146,7 +185,14 @@ class LocalServer:
                 region = mmap.mmap(fds[0], int(hello.region_bytes))
             finally:
                 os.close(fds[0])
-            conn.send(_frame(READY, pb.LocalReady()))
+            offer = self._shared() if hello.shared_experts and self._shared is not None else None
+            if offer is not None and offer.table.nbytes <= len(region):
+                records, _ = to_shared(offer.table, region, 0)
+                ready = pb.LocalReady(shared=pb.SharedExperts(bytes=offer.size, records=records,
+                                                               model_id=offer.model_id))
+                socket.send_fds(conn, [_frame(READY, ready)], [offer.fd])
+            else:
+                conn.send(_frame(READY, pb.LocalReady()))
             while True:
                 park_helpers()  # nothing to compute here until the caller's next call
                 msg = conn.recv(MAX_FRAME)
@@ -159,6 +205,11 @@ class LocalServer:
                         self._prefetch(pb.PrefetchRequest.FromString(msg[1:]))
                     except Exception as e:  # a hint never fails anything; say why it was dropped
                         log.debug("local lane: prefetch hint dropped: %s", e)
+                elif msg[0] == USAGE and self._usage is not None:
+                    try:
+                        self._usage(pb.LocalUsage.FromString(msg[1:]))
+                    except Exception as e:  # counts only: never fails a call
+                        log.warning("local lane: usage report dropped: %s", e)
                 else:
                     log.warning("local lane: unknown frame kind %d; closing the connection", msg[0])
                     return
@@ -229,30 +280,49 @@ class LocalClient:
     """One connection to a store's lane. Compute calls are one at a time (a lock); hints may be
     sent from any thread meanwhile (a packet is sent whole)."""
 
-    def __init__(self, sock: socket.socket, region: mmap.mmap, name: str) -> None:
+    def __init__(self, sock: socket.socket, region: mmap.mmap, name: str,
+                 shared: SharedRecords | None = None) -> None:
         self.sock, self.region, self.name = sock, region, name
+        self.shared = shared  # the store's records, where it shares them (LocalReady.shared)
         self.lock = threading.Lock()
         self.closed = False  # the connection failed or was closed: make a new one
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN | select.POLLPRI)
 
     @classmethod
     def connect(cls, name: str, token: str, region_bytes: int = REGION_BYTES,
-                timeout_s: float = HELLO_TIMEOUT_S) -> LocalClient:
+                timeout_s: float = HELLO_TIMEOUT_S, *, shared: bool = False) -> LocalClient:
         """Connect and hand over a fresh region; Unavailable when the lane cannot be reached or
-        refuses (the caller then uses gRPC)."""
+        refuses (the caller then uses gRPC). shared: ask for the store's shared records."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         fd = -1
+        fds: list[int] = []
         try:
             sock.settimeout(timeout_s)
             sock.connect(_address(name))
             fd = os.memfd_create("moetier-lane", os.MFD_CLOEXEC)
             os.ftruncate(fd, region_bytes)
             region = mmap.mmap(fd, region_bytes)
-            socket.send_fds(sock, [_frame(HELLO, pb.LocalHello(token=token, region_bytes=region_bytes))], [fd])
-            msg = sock.recv(MAX_FRAME)
+            hello = pb.LocalHello(token=token, region_bytes=region_bytes, shared_experts=shared)
+            socket.send_fds(sock, [_frame(HELLO, hello)], [fd])
+            msg, fds, _, _ = socket.recv_fds(sock, MAX_FRAME, 1)
             if msg[:1] == bytes([ERROR]):
                 _raise(msg[1:], f"expert store lane {name}")
             if msg[:1] != bytes([READY]):
                 raise Unavailable(f"expert store lane {name}: no answer to the hello")
+            ready = pb.LocalReady.FromString(msg[1:])
+            records = None
+            if ready.HasField("shared") and len(fds) == 1:
+                sh = ready.shared
+                mapping = mmap.mmap(fds[0], int(sh.bytes), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+                try:
+                    table = from_pb(sh.records, "shared experts", "int64", 2, region=region).copy()
+                except InvalidArgument as e:
+                    raise Unavailable(f"expert store lane {name}: malformed shared experts: {e}") from None
+                if table.shape[1] != 4:
+                    raise Unavailable(f"expert store lane {name}: shared experts table {list(table.shape)}, "
+                                      "expected [N, 4]")
+                records = SharedRecords(mapping, table, sh.model_id)
         except OSError as e:
             sock.close()
             raise Unavailable(f"expert store lane {name}: {e.strerror or e}") from None
@@ -260,9 +330,31 @@ class LocalClient:
             sock.close()
             raise
         finally:
-            if fd >= 0:
-                os.close(fd)
-        return cls(sock, region, name)
+            for f in [fd, *fds]:
+                if f >= 0:
+                    os.close(f)
+        return cls(sock, region, name, records)
+
+    def alive(self) -> bool:
+        """The store has not closed the lane (checked without waiting: between calls it never
+        sends, so anything to read is its end). False closes the lane here too."""
+        if self.closed:
+            return False
+        try:
+            if not self._poll.poll(0):
+                return True
+        except OSError:
+            pass
+        self.close()
+        return False
+
+    def usage(self, msg: pb.LocalUsage) -> None:
+        """Report calls computed from the shared records (no answer)."""
+        try:
+            self.sock.send(_frame(USAGE, msg))
+        except OSError as e:
+            self.close()
+            raise Unavailable(f"expert store lane {self.name}: {e.strerror or e}") from None
 
     def compute(self, req: pb.ComputeExpertsRequest, x: F32, ids: npt.NDArray[np.int32], weights: F32,
                 timeout_s: float) -> tuple[pb.ComputeExpertsResponse, F32]:

@@ -15,7 +15,7 @@ import numpy as np
 from moetier.errors import InvalidArgument
 from moetier.rpc.v1 import tensor_pb2
 
-WIRE_DTYPES = ("float32", "int32", "float16", "uint8", "uint32")
+WIRE_DTYPES = ("float32", "int32", "float16", "uint8", "uint32", "int64")
 MAX_NDIM = 8  # no tensor of the protocol has more than 3; numpy's own limit is 64
 MAX_BYTES = 2**31  # a protobuf message is at most 2 GiB
 

@@ -27,6 +27,8 @@ A prefetched expert later demanded counts as useful; evicted unused, as wasted.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -91,6 +93,16 @@ class _Entry:
     prefetched: bool = False  # brought in by a hint
     used: bool = False  # demanded since it came in
     hint_step: int = 0
+
+
+@dataclass
+class SharedRecords:
+    """Every record of a tier in one shared memory (`ExpertTier.share`)."""
+
+    fd: int  # the memfd (the tier's: closed with it)
+    mapping: mmap.mmap
+    size: int  # bytes
+    table: npt.NDArray[np.int64]  # [N, 4] (layer, expert, offset, length), in key order
 
 
 @dataclass
@@ -194,6 +206,7 @@ class ExpertTier:
                                 prefetch_useful_by_layer={layer: 0 for layer in self.index.layers},
                                 prefetch_wasted_by_layer={layer: 0 for layer in self.index.layers})
         self._closed = False
+        self._shared: SharedRecords | None = None
 
     @classmethod
     def open(cls, index: ExpertIndex, config: TierConfig, **engine_options: Any) -> ExpertTier:
@@ -442,6 +455,67 @@ class ExpertTier:
         ok = [n for n, f in done if f.exception() is None]
         return len(ok), sum(ok), len(mine) - len(ok)
 
+    # ---- shared memory ----------------------------------------------------------------
+    def share(self) -> SharedRecords | None:
+        """Move every record into one shared memory (a memfd) that another process on this host
+        may map and compute from (the local lane: moetier/rpc/local.py), and return it; None
+        unless the budget holds every expert (nothing is ever evicted, so no record moves again)
+        and every one is resident (after `preload`). Each entry's buffer and parsed value become
+        views of the shared memory (the same bytes, copied once); the old buffers are let go.
+        Call before computes start (a compute holding an old value keeps its buffer alive, so it
+        stays right either way). Shared once: later calls return the same."""
+        with self._cond:
+            self._check_open()
+            if self._shared is not None or not self._roomy:
+                return self._shared
+            keys = sorted(self.index.records)
+            entries = [self._entries.get(k) for k in keys]
+            if any(e is None or e.loading or e.buf is None for e in entries):
+                return None
+            offsets, size = [], 0
+            for e in entries:
+                assert e is not None
+                offsets.append(size)
+                size += -(-e.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+            fd = os.memfd_create("moetier-experts", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, max(size, mmap.PAGESIZE))
+                mm = mmap.mmap(fd, max(size, mmap.PAGESIZE))
+            except BaseException:
+                os.close(fd)
+                raise
+            arena = np.frombuffer(mm, dtype=np.uint8)
+            for e, off in zip(entries, offsets, strict=True):
+                assert e is not None and e.buf is not None
+                view = arena[off : off + e.nbytes]
+                view[:] = e.buf[: e.nbytes]
+                value = self.index.parse(view) if self.index.parse is not None else view
+                ready: Future[Any] = Future()
+                ready.set_result(value)
+                e.buf, e.value, e.ready = view, value, ready
+            table = np.array([(k[0], k[1], off, e.nbytes) for k, e, off in zip(keys, entries, offsets, strict=True)
+                              if e is not None], dtype=np.int64).reshape(-1, 4)
+            self._shared = SharedRecords(fd, mm, size, table)
+            return self._shared
+
+    @property
+    def shared(self) -> SharedRecords | None:
+        """The shared memory of `share`, once shared."""
+        return self._shared
+
+    def note_shared(self, layer: int, experts: npt.NDArray[np.int64], calls: npt.NDArray[np.int64]) -> None:
+        """Count calls of `layer` that another process computed from the shared records as this
+        tier's own: `calls[i]` calls held expert `experts[i]` in their union (hits, usage, the
+        policy's record). Unknown experts are a NotFound."""
+        keys = self._keys(layer, experts)
+        with self._cond:
+            row = self._row[layer]
+            for k, n in zip(keys, np.asarray(calls, dtype=np.int64).tolist(), strict=True):
+                for _ in range(n):
+                    self.policy.record(k)
+                self._uses[row, k[1]] += n
+                self._stats.hits[layer] += n
+
     # ---- prefetch -------------------------------------------------------------------
     def prefetch(self, layer: int, ids: IdsLike) -> int:
         """Hint that `layer` will soon need `ids`; returns the reads queued."""
@@ -568,6 +642,8 @@ class ExpertTier:
         except OSError as e:
             log.warning("could not save usage history to %s: %s", self.config.history_path, e)
         self.engine.close()
+        if self._shared is not None:
+            os.close(self._shared.fd)  # the mapping goes with the last view of it
 
     def __enter__(self) -> ExpertTier:
         return self

@@ -33,7 +33,7 @@ from moetier.text.tokenizer import TextTokenizer
 from moetier.weights.container import Container
 from services.dense_worker.batcher import Batcher, Limits, Request, Sequence
 from services.dense_worker.metrics import WorkerMetrics
-from services.dense_worker.remote import RemoteExperts
+from services.dense_worker.remote import RemoteExperts, SharedCompute
 from services.dense_worker.sharded import ShardedExperts
 from services.dense_worker.timing import PhaseClock, instrument
 
@@ -79,16 +79,20 @@ class WorkerCore:
             args = self.container.args
             self.model_id = self.container.index.identity
             self.clock = PhaseClock()
+            self.ops = FastOps(threads=threads if threads is not None else profile_threads(settings))
+            parse = self.container.index.parse
+            # a store on this host that shares its experts: its calls computed here, on these kernels
+            shared = SharedCompute(self.ops, parse) if inf.shared_experts and parse is not None else None
             self.experts: RemoteExperts | ShardedExperts
             if inf.expert_placement == "router":  # experts sharded over the stores of the router's map
                 self.experts = ShardedExperts(settings.router.address, self.model_id, timeout_s=inf.expert_timeout_s,
                                               clock=self.clock, hidden_size=args.hidden_size,
-                                              local_lane=inf.local_lane, refresh_s=settings.heartbeat_interval_s)
+                                              local_lane=inf.local_lane, refresh_s=settings.heartbeat_interval_s,
+                                              shared=shared)
             else:
                 self.experts = RemoteExperts(settings.expert_store.address, self.model_id,
                                              timeout_s=inf.expert_timeout_s, clock=self.clock,
-                                             hidden_size=args.hidden_size, local_lane=inf.local_lane)
-            self.ops = FastOps(threads=threads if threads is not None else profile_threads(settings))
+                                             hidden_size=args.hidden_size, local_lane=inf.local_lane, shared=shared)
             self.model = Model(args, load_dense(self.container), self.ops, self.experts)
             instrument(self.model, self.clock)
             # speculative decoding: the MTP head's dense part resident, its experts memory-mapped here
@@ -169,10 +173,12 @@ class WorkerCore:
     def refresh_metrics(self) -> None:
         """Bring the metrics that are counted elsewhere (prefix cache, expert store client) up to date."""
         self._update_prefix_metrics()
+        self.experts.flush_usage(force=self.batcher.running == 0)  # idle: the store's heat is up to date now
         r = self.experts.stats
         m = self.metrics
         for name, counter, value in (("ok", m.expert_calls.labels(outcome="ok"), r.calls),
                                      ("failed", m.expert_calls.labels(outcome="failed"), r.failed_calls),
+                                     ("shared", m.expert_calls.labels(outcome="shared"), r.shared_calls),
                                      ("sent", m.hints.labels(outcome="sent"), r.hints_sent),
                                      ("hfailed", m.hints.labels(outcome="failed"), r.hints_failed),
                                      ("hits", m.store_hits, r.store_hits), ("misses", m.store_misses, r.store_misses)):

@@ -32,7 +32,7 @@ phase, finish_reason, reason, outcome, tier.
 | moetier_dense_worker_prefetch_actual_experts_total | counter | | experts the layer then used (its batch union) |
 | moetier_dense_worker_prefetch_hit_experts_total | counter | | hinted and used; recall = hit / actual, precision = hit / predicted |
 | moetier_dense_worker_prefetch_hints_total | counter | outcome | Prefetch calls to the expert store: sent, failed |
-| moetier_dense_worker_expert_calls_total | counter | outcome | ComputeExperts calls: ok, failed |
+| moetier_dense_worker_expert_calls_total | counter | outcome | ComputeExperts calls: ok, failed; shared: computed here from the store's shared experts instead |
 | moetier_dense_worker_expert_call_seconds | histogram | | wall time of one ComputeExperts call (one MoE layer of one step) |
 | moetier_dense_worker_store_expert_hits_total | counter | | experts of the calls' unions the store had in RAM |
 | moetier_dense_worker_store_expert_misses_total | counter | | experts of the calls' unions the store read from disk |

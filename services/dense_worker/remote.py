@@ -25,6 +25,12 @@ shared memory; about a tenth of a gRPC round trip): `moe_start` then sends the c
 lane's region goes over gRPC; a lane that fails is dropped (the call fails with Unavailable, as
 over gRPC) and the next call connects afresh, lane included.
 
+Where that store shares its experts over the lane (its RAM tier holds them all: storage.share), the
+calls are computed here instead, from its shared memory with this worker's kernels, the way the
+store computes them (the same bits); what was computed is reported to the store (LocalUsage) every
+USAGE_EVERY_S and when the worker goes idle. A lane found closed before such a call sends it the
+usual way, which fails while the store is down.
+
 Called from the worker's one step thread, so the channel is a plain (synchronous) gRPC
 channel. A store that is down, slow or restarting fails the call with Unavailable once
 the deadline (or the connection attempt) is over; the channel is then rebuilt, so the
@@ -43,6 +49,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -51,11 +58,13 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import InvalidArgument, MoetierError, Unavailable
+from moetier.model.ops import Ops, combine_slots
 from moetier.rpc.channels import RECONNECT_OPTIONS
 from moetier.rpc.errors import from_rpc_error
 from moetier.rpc.local import LocalClient
 from moetier.rpc.tensors import from_pb, to_pb
 from moetier.rpc.v1 import expert_store_pb2, expert_store_pb2_grpc
+from moetier.weights.quant import ExpertWeights
 from services.dense_worker.timing import PhaseClock
 
 log = logging.getLogger(__name__)
@@ -64,12 +73,23 @@ F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
 
 HINT_QUEUE = 64  # hints waiting for the sender at most; later ones are dropped (a waiting hint goes stale)
+USAGE_EVERY_S = 0.25  # how often calls computed from the store's shared experts are reported to it
+USAGE_ROWS = 3000  # (layer, expert) rows per LocalUsage frame (16 bytes each: well inside a lane frame)
 MAX_MESSAGE_BYTES = 1 << 30  # a prefill chunk of a wide model is tens of MB of activations
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     *RECONNECT_OPTIONS,  # a restarted store is found within a second
 ]
+
+
+@dataclass
+class SharedCompute:
+    """What computing a store's shared experts here takes: this worker's kernels and the
+    container's record parser (verified record bytes -> ExpertWeights)."""
+
+    ops: Ops
+    parse: Callable[[npt.NDArray[np.uint8]], ExpertWeights]
 
 
 @dataclass
@@ -84,6 +104,7 @@ class RemoteStats:
     hints_sent: int = 0  # Prefetch calls
     hints_failed: int = 0  # Prefetch calls that failed (never fails a request)
     call_s: float = 0.0  # ComputeExperts round trips, summed (whoever waited for them)
+    shared_calls: int = 0  # calls computed here from the store's shared experts (not sent)
 
 
 class _Call:
@@ -147,6 +168,49 @@ class _LaneCall:
             self.lane.lock.release()
 
 
+class _Computed:
+    """A call computed here from the store's shared experts: its output is there already."""
+
+    def __init__(self, y: F32) -> None:
+        self._y = y
+
+    def result(self) -> F32:
+        return self._y
+
+    def abandon(self) -> None:
+        pass
+
+
+class _Usage:
+    """Calls computed from the shared experts since the last LocalUsage."""
+
+    def __init__(self) -> None:
+        self.experts: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> [calls, slots]
+        self.layers: dict[int, list[int]] = {}  # layer -> [calls, rows]
+        self.since = time.monotonic()
+
+    def add(self, layer: int, ids: I32, rows: int) -> None:
+        used = ids[ids >= 0]
+        union, slots = np.unique(used, return_counts=True)
+        for e, n in zip(union.tolist(), slots.tolist(), strict=True):
+            c = self.experts.setdefault((layer, e), [0, 0])
+            c[0] += 1
+            c[1] += n
+        lc = self.layers.setdefault(layer, [0, 0])
+        lc[0] += 1
+        lc[1] += rows
+
+    def messages(self) -> list[expert_store_pb2.LocalUsage]:
+        """The counts as LocalUsage frames small enough for the lane (USAGE_ROWS experts each)."""
+        ex = np.array([(k[0], k[1], c[0], c[1]) for k, c in self.experts.items()], dtype=np.int32).reshape(-1, 4)
+        ly = np.array([(k, c[0], c[1]) for k, c in self.layers.items()], dtype=np.int64).reshape(-1, 3)
+        out = []
+        for i in range(0, max(len(ex), 1), USAGE_ROWS):
+            out.append(expert_store_pb2.LocalUsage(experts=to_pb(ex[i : i + USAGE_ROWS]),
+                                                   layers=to_pb(ly if i == 0 else ly[:0])))
+        return out
+
+
 def _rows(ids: I32, x: F32, slot_outputs: bool) -> int:
     """Rows of a call's answer: x's, or with slot_outputs the slots it computes."""
     return int((ids >= 0).sum()) if slot_outputs else len(x)
@@ -156,11 +220,16 @@ class RemoteExperts:
     """ExpertProvider (moetier.model.ops) over one expert store."""
 
     def __init__(self, address: str, model_id: str, *, timeout_s: float, prefetch_timeout_s: float = 0.5,
-                 clock: PhaseClock | None = None, hidden_size: int | None = None, local_lane: bool = True) -> None:
-        """local_lane: use the store's local lane when it is on this host (else gRPC only)."""
+                 clock: PhaseClock | None = None, hidden_size: int | None = None, local_lane: bool = True,
+                 shared: SharedCompute | None = None) -> None:
+        """local_lane: use the store's local lane when it is on this host (else gRPC only).
+        shared: compute the calls here where the store shares its experts over the lane."""
         self.address = address
         self.local_lane = local_lane
+        self.shared = shared
         self._lane: LocalClient | None = None  # the store's local lane, when connected
+        self._weights: dict[tuple[int, int], ExpertWeights] = {}  # parsed shared records of this lane
+        self._usage = _Usage()
         self.model_id = model_id
         self.timeout_s = timeout_s
         self.prefetch_timeout_s = prefetch_timeout_s
@@ -189,7 +258,11 @@ class RemoteExperts:
         return self.step
 
     def moe(self, layer: int, x: F32, ids: I32, weights: F32) -> F32:
-        """x [T, D], ids/weights [T, K] -> [T, D], computed by the store in one call."""
+        """x [T, D], ids/weights [T, K] -> [T, D], computed by the store in one call (or here, from
+        its shared experts)."""
+        y = self._shared_compute(layer, x, ids, weights)
+        if y is not None:
+            return y
         call = self._lane_start(layer, x, ids, weights)
         if call is not None:
             return call.result()
@@ -203,7 +276,7 @@ class RemoteExperts:
         return self._output(layer, x, resp)
 
     def moe_start(self, layer: int, x: F32, ids: I32, weights: F32, *, slot_outputs: bool = False,
-                  timeout_s: float | None = None) -> _Call | _LaneCall:
+                  timeout_s: float | None = None) -> _Call | _LaneCall | _Computed:
         """`moe` under way: the call is made by the caller thread while the step thread goes on
         (the shared expert); `result()` waits for it. The step clock's "expert" phase counts the
         wait only. On the local lane the call is sent here and nothing else is needed.
@@ -211,6 +284,9 @@ class RemoteExperts:
         of each slot this store computed (see ComputeExpertsRequest.slot_outputs). timeout_s:
         this call's deadline (default `self.timeout_s`)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        y = self._shared_compute(layer, x, ids, weights, slot_outputs)
+        if y is not None:
+            return _Computed(y)
         lane_call = self._lane_start(layer, x, ids, weights, slot_outputs, timeout)
         if lane_call is not None:
             return lane_call
@@ -227,12 +303,7 @@ class RemoteExperts:
                     timeout_s: float | None = None) -> _LaneCall | None:
         """The call sent on the local lane; None where there is none (or its region is too small
         for these tensors): the caller uses gRPC."""
-        if not self._checked and self.local_lane:
-            try:
-                self._ready()  # Info, and the lane where the store has one on this host
-            except (grpc.RpcError, MoetierError):
-                return None  # the gRPC path makes the call and says what is wrong
-        lane = self._lane
+        lane = self._connected_lane()
         if lane is None:
             return None
         req = expert_store_pb2.ComputeExpertsRequest(layer=layer, step=self.step)
@@ -253,6 +324,67 @@ class RemoteExperts:
             raise
         return _LaneCall(self, lane, layer, x, req, sent, _rows(ids, x, slot_outputs),
                          self.timeout_s if timeout_s is None else timeout_s)
+
+    def _connected_lane(self) -> LocalClient | None:
+        """The store's local lane, connecting first if this provider has not asked the store yet;
+        None where there is none (the caller uses gRPC)."""
+        if not self._checked and self.local_lane:
+            try:
+                self._ready()  # Info, and the lane where the store has one on this host
+            except (grpc.RpcError, MoetierError):
+                return None  # the gRPC path makes the call and says what is wrong
+        return self._lane
+
+    def _shared_compute(self, layer: int, x: F32, ids: I32, weights: F32, slot_outputs: bool = False) -> F32 | None:
+        """The call computed here from the store's shared experts, as the store computes it
+        (moetier.store.compute: one `expert_outputs` into a [T, K, D] buffer, then the k-ordered
+        combine, or the slots themselves), so the same bits; None where the lane shares none of
+        them (or not all), or is gone: the call goes to the store."""
+        shared = self.shared
+        lane = self._connected_lane() if shared is not None else None
+        if lane is None or lane.shared is None or shared is None:
+            return None
+        if not lane.alive():  # the store ended: its calls fail (or reconnect) the usual way
+            self._lane_failed(lane)
+            return None
+        t0 = time.perf_counter()
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        experts = {}
+        for e in np.unique(ids[ids >= 0]).tolist():
+            w = self._weights.get((layer, e))
+            if w is None:
+                if (layer, e) not in lane.shared.where:
+                    return None
+                w = self._weights[(layer, e)] = shared.parse(lane.shared.record(layer, e))
+            experts[e] = w
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        slots = np.zeros((*ids.shape, x.shape[1]), dtype=np.float32)  # [T, K, D]
+        shared.ops.expert_outputs(x, ids, experts, slots)
+        y = slots[ids >= 0] if slot_outputs else combine_slots(slots, np.ascontiguousarray(weights, dtype=np.float32))
+        if self.clock is not None:
+            self.clock.add("expert", time.perf_counter() - t0)
+        self.settled = True  # every expert resident, never evicted: hints cannot help
+        self.stats.shared_calls += 1
+        self.stats.rows += len(x)
+        self.stats.store_hits += len(experts)
+        self._usage.add(layer, ids, len(x))
+        return y
+
+    def flush_usage(self, force: bool = False) -> None:
+        """Report the calls computed from the shared experts to the store, at most every
+        USAGE_EVERY_S seconds (force: now), so its heat, hits and calls count them."""
+        u = self._usage
+        if not u.layers or (not force and time.monotonic() - u.since < USAGE_EVERY_S):
+            return
+        self._usage = _Usage()
+        lane = self._lane
+        if lane is None:
+            return  # the lane is gone, and with it the store these were for
+        try:
+            for msg in u.messages():
+                lane.usage(msg)
+        except Unavailable:
+            self._lane_failed(lane)
 
     def _lane_failed(self, lane: LocalClient) -> None:
         """The lane broke: drop it and the channel, so the next call checks the store again."""
@@ -367,15 +499,25 @@ class RemoteExperts:
             self._checked = True
             if self.local_lane and info.local_socket:
                 try:
-                    lane = LocalClient.connect(info.local_socket, info.local_token)
+                    lane = LocalClient.connect(info.local_socket, info.local_token, shared=self.shared is not None)
                 except MoetierError as e:  # another host, another namespace: gRPC it is
                     log.info("expert store %s: local lane %s not reachable (%s); using gRPC", self.address,
                              info.local_socket, e)
                 else:
+                    if lane.shared is not None and lane.shared.model_id != self.model_id:
+                        log.warning("expert store %s shares experts of model %s, not %s: not computing them here",
+                                    self.address, lane.shared.model_id, self.model_id)
+                        lane.shared = None
                     with self._lock:
                         self._lane = lane
+                        self._weights = {}
+            how = "gRPC"
+            if self._lane is not None:
+                how = f"local lane {info.local_socket}"
+                if self._lane.shared is not None:
+                    how += f", computing its {len(self._lane.shared.where)} shared experts here"
             log.info("expert store %s: %s, %s experts, model %s, %s", self.address, info.arch, info.expert_dtype,
-                     info.model_id, f"local lane {info.local_socket}" if self._lane is not None else "gRPC")
+                     info.model_id, how)
         return stub
 
     def _failed(self, e: grpc.RpcError) -> None:
@@ -395,10 +537,13 @@ class RemoteExperts:
     def close(self) -> None:
         """Drop the channel and stop the hint sender (after its call in flight, if any); the next
         call connects afresh and the next hint starts a sender again."""
+        with contextlib.suppress(MoetierError):
+            self.flush_usage(force=True)
         with self._lock:
             channel, self._channel, self._stub, self._checked = self._channel, None, None, False
             hints, self._hints = self._hints, None
             lane, self._lane = self._lane, None
+            self._weights = {}
         if lane is not None:
             lane.close()
         if hints is not None:  # the hints still queued are for the old channel: drop them, then stop

@@ -44,7 +44,14 @@ from moetier.placement import ExpertRange, PlacementMap, StoreEntry
 from moetier.rpc.channels import RECONNECT_OPTIONS
 from moetier.rpc.errors import from_rpc_error
 from moetier.rpc.v1 import router_pb2, router_pb2_grpc
-from services.dense_worker.remote import RemoteExperts, RemoteStats, _Call, _LaneCall
+from services.dense_worker.remote import (
+    RemoteExperts,
+    RemoteStats,
+    SharedCompute,
+    _Call,
+    _Computed,
+    _LaneCall,
+)
 from services.dense_worker.timing import PhaseClock
 
 log = logging.getLogger(__name__)
@@ -107,7 +114,7 @@ class _ShardedCall:
     store that failed."""
 
     def __init__(self, owner: ShardedExperts, layer: int, x: F32, ids: I32, weights: F32, deadline: float,
-                 parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall]],
+                 parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall | _Computed]],
                  failed_here: frozenset[str] = frozenset()) -> None:
         self.owner, self.layer, self.x, self.ids, self.weights = owner, layer, x, ids, weights
         self.deadline, self.parts, self.failed_here = deadline, parts, failed_here
@@ -148,9 +155,9 @@ class ShardedExperts:
 
     def __init__(self, router_address: str, model_id: str, *, timeout_s: float, prefetch_timeout_s: float = 0.5,
                  clock: PhaseClock | None = None, hidden_size: int | None = None, local_lane: bool = True,
-                 refresh_s: float = 1.0, down_s: float = 2.0) -> None:
+                 refresh_s: float = 1.0, down_s: float = 2.0, shared: SharedCompute | None = None) -> None:
         self.model_id, self.timeout_s, self.prefetch_timeout_s = model_id, timeout_s, prefetch_timeout_s
-        self.clock, self.hidden_size, self.local_lane = clock, hidden_size, local_lane
+        self.clock, self.hidden_size, self.local_lane, self.shared = clock, hidden_size, local_lane, shared
         self.down_s = down_s
         self.placement = PlacementClient(router_address, refresh_s=refresh_s)
         self.step = 0
@@ -197,7 +204,7 @@ class ShardedExperts:
             rows = np.flatnonzero(np.isin(ids, np.asarray(missing, dtype=ids.dtype)).any(axis=1))
             raise RowsUnavailable(self._no_owner(pmap, layer, missing), frozenset(rows.tolist()))
         remaining = max(deadline - time.monotonic(), 1e-3)
-        parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall]] = []
+        parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall | _Computed]] = []
         try:
             if len(assign) == 1:
                 (i, _), = assign.items()
@@ -303,7 +310,7 @@ class ShardedExperts:
         if client is None or client.address != store.address:
             client = RemoteExperts(store.address, self.model_id, timeout_s=self.timeout_s,
                                    prefetch_timeout_s=self.prefetch_timeout_s, clock=self.clock,
-                                   hidden_size=self.hidden_size, local_lane=self.local_lane)
+                                   hidden_size=self.hidden_size, local_lane=self.local_lane, shared=self.shared)
             client.step = self.step
             self._stores[store.member_id] = client
         return client
@@ -336,6 +343,11 @@ class ShardedExperts:
             raise Unavailable(f"the placement map of router {self.placement.router_address} has no expert store yet")
         for store in pmap.stores:
             self._client(store).check()
+
+    def flush_usage(self, force: bool = False) -> None:
+        """RemoteExperts.flush_usage of every store's client."""
+        for client in list(self._stores.values()):
+            client.flush_usage(force)
 
     def close(self) -> None:
         self.placement.close()

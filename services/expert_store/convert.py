@@ -23,6 +23,7 @@ from services.expert_store.core import (
     ModelShape,
     PrefetchHint,
     PrefetchResult,
+    SharedUsage,
     StoreHeat,
     StoreInfo,
 )
@@ -79,6 +80,23 @@ def compute_to_pb(r: ComputeResult, with_output: bool = True) -> pb.ComputeExper
     if with_output:
         resp.output.CopyFrom(to_pb(r.output))
     return resp
+
+
+def usage_from_pb(msg: pb.LocalUsage, shape: ModelShape) -> SharedUsage:
+    """A LocalUsage checked (layers, expert ids, non-negative counts) and grouped by layer."""
+    ex = from_pb(msg.experts, "experts", dtype="int32", ndim=2).astype(np.int64)  # [N, 4]
+    ly = from_pb(msg.layers, "layers", dtype="int64", ndim=2)  # [M, 3]
+    if ex.shape[1] != 4 or ly.shape[1] != 3:
+        raise InvalidArgument(f"usage: experts {list(ex.shape)} and layers {list(ly.shape)}, expected [N, 4] "
+                              "and [M, 3]")
+    if (ex[:, 2:] < 0).any() or (ly[:, 1:] < 0).any():
+        raise InvalidArgument("usage: negative counts")
+    for layer in np.unique(np.concatenate([ex[:, 0], ly[:, 0]])).tolist():
+        _check_layer(int(layer), shape)
+    _check_ids(ex[:, 1], shape, "usage experts")
+    experts = [(int(layer), ex[ex[:, 0] == layer, 1], ex[ex[:, 0] == layer, 2], ex[ex[:, 0] == layer, 3])
+               for layer in np.unique(ex[:, 0]).tolist()]
+    return SharedUsage(experts, [(int(a), int(b), int(c)) for a, b, c in ly.tolist()])
 
 
 def prefetch_from_pb(req: pb.PrefetchRequest, shape: ModelShape) -> PrefetchHint:

@@ -39,6 +39,7 @@ import numpy.typing as npt
 from moetier.errors import InvalidArgument, NotFound
 from moetier.kernels.fast import FastOps, default_threads, warmup
 from moetier.placement import ExpertRange, parse_owned, to_ranges
+from moetier.rpc.local import SharedOffer
 from moetier.settings import Settings
 from moetier.store.compute import ComputeJob, ComputeResult, TierCompute
 from moetier.store.stats import HEAT_PINNED, HEAT_RAM, DiskStats, TierStats
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
+I64 = npt.NDArray[np.int64]
 
 
 
@@ -78,6 +80,14 @@ class ComputeBatch:
     weights: F32  # [T, K]
     step: int | None = None
     slot_outputs: bool = False  # answer each computed slot's own output [N, D], uncombined
+
+
+@dataclass
+class SharedUsage:
+    """Calls a dense worker computed from this store's shared experts (LocalUsage), by layer."""
+
+    experts: list[tuple[int, I64, I64, I64]]  # (layer, expert ids, calls with each in the union, slots)
+    layers: list[tuple[int, int, int]]  # (layer, calls, rows)
 
 
 @dataclass
@@ -235,6 +245,12 @@ class StoreCore:
             if n or failed:
                 log.info("preloaded %d experts (%.2f GB, the whole budget holds them) in %.2f s%s", n, nbytes / 1e9,
                          time.perf_counter() - t0, f"; {failed} reads failed (read again on demand)" if failed else "")
+        if self.settings.storage.share:
+            t0 = time.perf_counter()
+            shared = await asyncio.to_thread(self.tier.share)
+            if shared is not None:
+                log.info("sharing %d experts (%.2f GB) with dense workers on this host (moved into shared memory "
+                         "in %.2f s)", len(shared.table), shared.size / 1e9, time.perf_counter() - t0)
         if self.tier.config.history_path is not None and self._saver is None:
             self._saver = asyncio.get_running_loop().create_task(self._save_history_periodically(),
                                                                   name="expert-history-saver")
@@ -375,6 +391,29 @@ class StoreCore:
         self._note_step(hint.step)
         out = self.tier.hint(hint.layer, hint.ids)
         return PrefetchResult(queued=out.queued, resident=out.present, dropped=out.dropped)
+
+    def shared_offer(self) -> SharedOffer | None:
+        """What the local lane offers callers that compute from this store's memory (`tier.share`,
+        done at start), or None."""
+        shared = self.tier.shared
+        if shared is None:
+            return None
+        return SharedOffer(shared.fd, shared.size, shared.table, self.container.index.identity)
+
+    def note_shared(self, usage: SharedUsage) -> None:
+        """Calls a dense worker computed from the shared experts, counted as this store's own:
+        routing heat, the tier's hits and usage, calls and rows per layer."""
+        for layer, experts, uses, slots in usage.experts:
+            if not self._held[self._row[layer]][experts].all():
+                raise NotFound(f"expert store {self.store_id}: usage of layer {layer} experts it does not hold")
+            self.tier.note_shared(layer, experts, uses)
+            row = self._row[layer]
+            with self._notes:
+                np.add.at(self._counts[row], experts, slots.astype(np.uint32))
+                self._recent[row] = 0
+                self._recent[row, experts] = 1
+        for layer, calls, rows in usage.layers:
+            self.metrics.observe_shared(layer, calls, rows)
 
     def _note_step(self, step: int | None) -> None:
         with self._notes:

@@ -41,6 +41,8 @@ code; never an expert id (per-expert heat is the Heat RPC's snapshot).
 | moetier_expert_store_disk_weight | gauge | disk | the copy's placement weight (probed GB/s or configured) |
 | moetier_expert_store_compute_calls_total | counter | layer | ComputeExperts calls answered |
 | moetier_expert_store_compute_rows_total | counter | layer | rows of those calls |
+| moetier_expert_store_shared_calls_total | counter | layer | MoE layer calls a dense worker on this host computed itself from this store's shared experts (storage.share), as it reported them |
+| moetier_expert_store_shared_rows_total | counter | layer | rows of those calls |
 | moetier_expert_store_compute_waves_total | counter | layer | pin-compute-release waves of those calls: one per call whose batch union fits the budget, more when it does not (waves - calls = extra waves) |
 | moetier_expert_store_compute_errors_total | counter | code | ComputeExperts calls failed, by gRPC status (invalid_argument, data_loss, ...) |
 | moetier_expert_store_compute_seconds | histogram | | time in the expert FFN kernels per call |
@@ -163,6 +165,10 @@ class StoreMetrics:
                                       buckets=_CALL_BUCKETS, registry=r)
         self.load_time = Histogram(P + "load_seconds", "Time making a call's batch union resident.",
                                    buckets=_CALL_BUCKETS, registry=r)
+        self.shared_calls = Counter(P + "shared_calls", "MoE layer calls a dense worker on this host computed "
+                                    "itself from this store's shared experts (storage.share), as it reported them.",
+                                    ["layer"], registry=r)
+        self.shared_rows = Counter(P + "shared_rows", "Rows of those calls.", ["layer"], registry=r)
         # Every label value exists from the start, so rates and dashboards see zeros, not gaps.
         # The children per layer, looked up once: a call counts into them without the labels()
         # lookup (its lock, its label checks) three times over.
@@ -184,6 +190,10 @@ class StoreMetrics:
         waves_c.inc(waves)
         self.load_time.observe(load_ns / 1e9)
         self.compute_time.observe(compute_ns / 1e9)
+
+    def observe_shared(self, layer: int, calls: int, rows: int) -> None:
+        self.shared_calls.labels(layer=str(layer)).inc(calls)
+        self.shared_rows.labels(layer=str(layer)).inc(rows)
 
     @contextlib.contextmanager
     def count_errors(self) -> Iterator[None]:

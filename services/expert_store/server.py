@@ -103,8 +103,11 @@ def open_lane(core: StoreCore) -> LocalServer | None:
     def prefetch(req: pb.PrefetchRequest) -> None:
         core.prefetch(convert.prefetch_from_pb(req, core.shape))
 
+    def usage(msg: pb.LocalUsage) -> None:
+        core.note_shared(convert.usage_from_pb(msg, core.shape))
+
     try:
-        return LocalServer(compute, prefetch)
+        return LocalServer(compute, prefetch, shared=core.shared_offer, usage=usage)
     except OSError as e:
         logging.getLogger(__name__).warning("no local lane (%s): callers on this host use gRPC", e)
         return None

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from moetier.rpc.v1 import tensor_pb2 as moetier_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmoetier/v1/expert_store.proto\x12\nmoetier.v1\x1a\x17moetier/v1/tensor.proto\"\r\n\x0bInfoRequest\"T\n\x08\x44iskInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\r\n\x05\x66iles\x18\x05 \x01(\r\"\xec\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x12\n\nmoe_layers\x18\x04 \x03(\r\x12\x11\n\tn_experts\x18\x05 \x01(\r\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x14\n\x0crecord_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06policy\x18\t \x01(\t\x12\x14\n\x0c\x65xpert_dtype\x18\n \x01(\t\x12#\n\x05\x64isks\x18\x0b \x03(\x0b\x32\x14.moetier.v1.DiskInfo\x12\x10\n\x08store_id\x18\x0c \x01(\t\x12\x14\n\x0clocal_socket\x18\r \x01(\t\x12\x13\n\x0blocal_token\x18\x0e \x01(\t\x12%\n\x05owned\x18\x0f \x03(\x0b\x32\x16.moetier.v1.OwnedRange\x12\x16\n\x0eread_bandwidth\x18\x10 \x01(\x01\"8\n\nOwnedRange\x12\r\n\x05layer\x18\x01 \x01(\r\x12\r\n\x05\x66irst\x18\x02 \x01(\r\x12\x0c\n\x04last\x18\x03 \x01(\r\"1\n\nLocalHello\x12\r\n\x05token\x18\x01 \x01(\t\x12\x14\n\x0cregion_bytes\x18\x02 \x01(\x04\"\x1e\n\nLocalReady\x12\x10\n\x08store_id\x18\x01 \x01(\t\"C\n\nLocalError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\x04\"\xdf\x01\n\x15\x43omputeExpertsRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\"\n\x06hidden\x18\x02 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12&\n\nexpert_ids\x18\x03 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12#\n\x07weights\x18\x04 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12\x11\n\x04step\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x0cslot_outputs\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05_stepB\x0f\n\r_slot_outputs\"\x90\x01\n\x16\x43omputeExpertsResponse\x12\"\n\x06output\x18\x01 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12\x0c\n\x04hits\x18\x02 \x01(\r\x12\x0e\n\x06misses\x18\x03 \x01(\r\x12\x0f\n\x07load_ns\x18\x04 \x01(\x04\x12\x12\n\ncompute_ns\x18\x05 \x01(\x04\x12\x0f\n\x07settled\x18\x06 \x01(\x08\"P\n\x0fPrefetchRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\nexpert_ids\x18\x02 \x03(\r\x12\x11\n\x04step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"E\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x10\n\x08resident\x18\x02 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\"\r\n\x0bHeatRequest\"\xea\x01\n\x0cHeatResponse\x12\x12\n\nmoe_layers\x18\x01 \x03(\r\x12\x11\n\tn_experts\x18\x02 \x01(\r\x12\"\n\x06\x63ounts\x18\x03 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12 \n\x04tier\x18\x04 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12\"\n\x06recent\x18\x05 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12\r\n\x05\x64isks\x18\x06 \x03(\t\x12\x16\n\x0eresident_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x08 \x01(\x04\x12\x0c\n\x04step\x18\t \x01(\x04\x32\xa3\x02\n\x0b\x45xpertStore\x12\x39\n\x04Info\x12\x17.moetier.v1.InfoRequest\x1a\x18.moetier.v1.InfoResponse\x12W\n\x0e\x43omputeExperts\x12!.moetier.v1.ComputeExpertsRequest\x1a\".moetier.v1.ComputeExpertsResponse\x12\x45\n\x08Prefetch\x12\x1b.moetier.v1.PrefetchRequest\x1a\x1c.moetier.v1.PrefetchResponse\x12\x39\n\x04Heat\x12\x17.moetier.v1.HeatRequest\x1a\x18.moetier.v1.HeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmoetier/v1/expert_store.proto\x12\nmoetier.v1\x1a\x17moetier/v1/tensor.proto\"\r\n\x0bInfoRequest\"T\n\x08\x44iskInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0e\n\x06weight\x18\x04 \x01(\x01\x12\r\n\x05\x66iles\x18\x05 \x01(\r\"\xec\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x12\n\nmoe_layers\x18\x04 \x03(\r\x12\x11\n\tn_experts\x18\x05 \x01(\r\x12\r\n\x05top_k\x18\x06 \x01(\r\x12\x14\n\x0crecord_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x08 \x01(\x04\x12\x0e\n\x06policy\x18\t \x01(\t\x12\x14\n\x0c\x65xpert_dtype\x18\n \x01(\t\x12#\n\x05\x64isks\x18\x0b \x03(\x0b\x32\x14.moetier.v1.DiskInfo\x12\x10\n\x08store_id\x18\x0c \x01(\t\x12\x14\n\x0clocal_socket\x18\r \x01(\t\x12\x13\n\x0blocal_token\x18\x0e \x01(\t\x12%\n\x05owned\x18\x0f \x03(\x0b\x32\x16.moetier.v1.OwnedRange\x12\x16\n\x0eread_bandwidth\x18\x10 \x01(\x01\"8\n\nOwnedRange\x12\r\n\x05layer\x18\x01 \x01(\r\x12\r\n\x05\x66irst\x18\x02 \x01(\r\x12\x0c\n\x04last\x18\x03 \x01(\r\"I\n\nLocalHello\x12\r\n\x05token\x18\x01 \x01(\t\x12\x14\n\x0cregion_bytes\x18\x02 \x01(\x04\x12\x16\n\x0eshared_experts\x18\x03 \x01(\x08\"Y\n\nLocalReady\x12\x10\n\x08store_id\x18\x01 \x01(\t\x12.\n\x06shared\x18\x02 \x01(\x0b\x32\x19.moetier.v1.SharedExpertsH\x00\x88\x01\x01\x42\t\n\x07_shared\"U\n\rSharedExperts\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12#\n\x07records\x18\x02 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12\x10\n\x08model_id\x18\x03 \x01(\t\"U\n\nLocalUsage\x12#\n\x07\x65xperts\x18\x01 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12\"\n\x06layers\x18\x02 \x01(\x0b\x32\x12.moetier.v1.Tensor\"C\n\nLocalError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\x04\"\xdf\x01\n\x15\x43omputeExpertsRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\"\n\x06hidden\x18\x02 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12&\n\nexpert_ids\x18\x03 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12#\n\x07weights\x18\x04 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12\x11\n\x04step\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x19\n\x0cslot_outputs\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05_stepB\x0f\n\r_slot_outputs\"\x90\x01\n\x16\x43omputeExpertsResponse\x12\"\n\x06output\x18\x01 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12\x0c\n\x04hits\x18\x02 \x01(\r\x12\x0e\n\x06misses\x18\x03 \x01(\r\x12\x0f\n\x07load_ns\x18\x04 \x01(\x04\x12\x12\n\ncompute_ns\x18\x05 \x01(\x04\x12\x0f\n\x07settled\x18\x06 \x01(\x08\"P\n\x0fPrefetchRequest\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x12\n\nexpert_ids\x18\x02 \x03(\r\x12\x11\n\x04step\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_step\"E\n\x10PrefetchResponse\x12\x0e\n\x06queued\x18\x01 \x01(\r\x12\x10\n\x08resident\x18\x02 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x03 \x01(\r\"\r\n\x0bHeatRequest\"\xea\x01\n\x0cHeatResponse\x12\x12\n\nmoe_layers\x18\x01 \x03(\r\x12\x11\n\tn_experts\x18\x02 \x01(\r\x12\"\n\x06\x63ounts\x18\x03 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12 \n\x04tier\x18\x04 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12\"\n\x06recent\x18\x05 \x01(\x0b\x32\x12.moetier.v1.Tensor\x12\r\n\x05\x64isks\x18\x06 \x03(\t\x12\x16\n\x0eresident_bytes\x18\x07 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x08 \x01(\x04\x12\x0c\n\x04step\x18\t \x01(\x04\x32\xa3\x02\n\x0b\x45xpertStore\x12\x39\n\x04Info\x12\x17.moetier.v1.InfoRequest\x1a\x18.moetier.v1.InfoResponse\x12W\n\x0e\x43omputeExperts\x12!.moetier.v1.ComputeExpertsRequest\x1a\".moetier.v1.ComputeExpertsResponse\x12\x45\n\x08Prefetch\x12\x1b.moetier.v1.PrefetchRequest\x1a\x1c.moetier.v1.PrefetchResponse\x12\x39\n\x04Heat\x12\x17.moetier.v1.HeatRequest\x1a\x18.moetier.v1.HeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,23 +41,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OWNEDRANGE']._serialized_start=538
   _globals['_OWNEDRANGE']._serialized_end=594
   _globals['_LOCALHELLO']._serialized_start=596
-  _globals['_LOCALHELLO']._serialized_end=645
-  _globals['_LOCALREADY']._serialized_start=647
-  _globals['_LOCALREADY']._serialized_end=677
-  _globals['_LOCALERROR']._serialized_start=679
-  _globals['_LOCALERROR']._serialized_end=746
-  _globals['_COMPUTEEXPERTSREQUEST']._serialized_start=749
-  _globals['_COMPUTEEXPERTSREQUEST']._serialized_end=972
-  _globals['_COMPUTEEXPERTSRESPONSE']._serialized_start=975
-  _globals['_COMPUTEEXPERTSRESPONSE']._serialized_end=1119
-  _globals['_PREFETCHREQUEST']._serialized_start=1121
-  _globals['_PREFETCHREQUEST']._serialized_end=1201
-  _globals['_PREFETCHRESPONSE']._serialized_start=1203
-  _globals['_PREFETCHRESPONSE']._serialized_end=1272
-  _globals['_HEATREQUEST']._serialized_start=1274
-  _globals['_HEATREQUEST']._serialized_end=1287
-  _globals['_HEATRESPONSE']._serialized_start=1290
-  _globals['_HEATRESPONSE']._serialized_end=1524
-  _globals['_EXPERTSTORE']._serialized_start=1527
-  _globals['_EXPERTSTORE']._serialized_end=1818
+  _globals['_LOCALHELLO']._serialized_end=669
+  _globals['_LOCALREADY']._serialized_start=671
+  _globals['_LOCALREADY']._serialized_end=760
+  _globals['_SHAREDEXPERTS']._serialized_start=762
+  _globals['_SHAREDEXPERTS']._serialized_end=847
+  _globals['_LOCALUSAGE']._serialized_start=849
+  _globals['_LOCALUSAGE']._serialized_end=934
+  _globals['_LOCALERROR']._serialized_start=936
+  _globals['_LOCALERROR']._serialized_end=1003
+  _globals['_COMPUTEEXPERTSREQUEST']._serialized_start=1006
+  _globals['_COMPUTEEXPERTSREQUEST']._serialized_end=1229
+  _globals['_COMPUTEEXPERTSRESPONSE']._serialized_start=1232
+  _globals['_COMPUTEEXPERTSRESPONSE']._serialized_end=1376
+  _globals['_PREFETCHREQUEST']._serialized_start=1378
+  _globals['_PREFETCHREQUEST']._serialized_end=1458
+  _globals['_PREFETCHRESPONSE']._serialized_start=1460
+  _globals['_PREFETCHRESPONSE']._serialized_end=1529
+  _globals['_HEATREQUEST']._serialized_start=1531
+  _globals['_HEATREQUEST']._serialized_end=1544
+  _globals['_HEATRESPONSE']._serialized_start=1547
+  _globals['_HEATRESPONSE']._serialized_end=1781
+  _globals['_EXPERTSTORE']._serialized_start=1784
+  _globals['_EXPERTSTORE']._serialized_end=2075
 # @@protoc_insertion_point(module_scope)

@@ -72,18 +72,40 @@ class OwnedRange(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., first: _Optional[int] = ..., last: _Optional[int] = ...) -> None: ...
 
 class LocalHello(_message.Message):
-    __slots__ = ("token", "region_bytes")
+    __slots__ = ("token", "region_bytes", "shared_experts")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     token: str
     region_bytes: int
-    def __init__(self, token: _Optional[str] = ..., region_bytes: _Optional[int] = ...) -> None: ...
+    shared_experts: bool
+    def __init__(self, token: _Optional[str] = ..., region_bytes: _Optional[int] = ..., shared_experts: _Optional[bool] = ...) -> None: ...
 
 class LocalReady(_message.Message):
-    __slots__ = ("store_id",)
+    __slots__ = ("store_id", "shared")
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     store_id: str
-    def __init__(self, store_id: _Optional[str] = ...) -> None: ...
+    shared: SharedExperts
+    def __init__(self, store_id: _Optional[str] = ..., shared: _Optional[_Union[SharedExperts, _Mapping]] = ...) -> None: ...
+
+class SharedExperts(_message.Message):
+    __slots__ = ("bytes", "records", "model_id")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    records: _tensor_pb2.Tensor
+    model_id: str
+    def __init__(self, bytes: _Optional[int] = ..., records: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., model_id: _Optional[str] = ...) -> None: ...
+
+class LocalUsage(_message.Message):
+    __slots__ = ("experts", "layers")
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    experts: _tensor_pb2.Tensor
+    layers: _tensor_pb2.Tensor
+    def __init__(self, experts: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., layers: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class LocalError(_message.Message):
     __slots__ = ("code", "message", "retry_after_ms")
