@@ -1,5 +1,5 @@
 """Shared experts (storage.share, inference.shared_experts): an expert store whose RAM tier holds
-every expert it serves moves them into one shared memory at start and offers it on its local
+every expert it serves reads them into one shared memory at start and offers it on its local
 lane; a dense worker on the same host maps it and computes its calls there, with its own
 kernels. The answers are the store's bits, the store still counts the calls (heat, hits, calls
 per layer), a store that goes away is noticed at the next call, and either setting turns it off."""
@@ -65,14 +65,18 @@ def batch(rng: np.random.Generator, t: int) -> tuple[np.ndarray, np.ndarray, np.
             rng.random((t, K), dtype=np.float32))
 
 
-def test_share_moves_every_record_keeping_its_bits(model: Path) -> None:
+def test_a_roomy_tier_reads_into_shared_memory_with_the_same_bits(model: Path) -> None:
     with Container.open(model) as c:
         index = c.index
+        with ExpertTier.open(index, TierConfig(budget_bytes=index.total_bytes), depth=2) as plain:
+            plain.preload()
+            with plain.acquire(1, range(E)) as got:
+                want = {e: [np.array(m.data, copy=True) for m in (w.gate, w.up, w.down)] for e, w in got.items()}
         with ExpertTier.open(index, TierConfig(budget_bytes=index.total_bytes), depth=2) as tier:
+            assert tier.share() is None  # not in shared memory
+            assert tier.use_shared_memory()
             assert tier.share() is None  # nothing resident yet
             tier.preload()
-            with tier.acquire(1, range(E)) as before:
-                want = {e: [np.array(m.data, copy=True) for m in (w.gate, w.up, w.down)] for e, w in before.items()}
             shared = tier.share()
             assert shared is not None and tier.share() is shared and tier.shared is shared
             assert shared.table.shape == (len(index.records), 4)
@@ -84,16 +88,17 @@ def test_share_moves_every_record_keeping_its_bits(model: Path) -> None:
                 with open(index.root / loc.path, "rb") as f:  # the record's verified bytes, as on disk
                     f.seek(loc.offset)
                     assert memory[off : off + n].tobytes() == f.read(n)
-            with tier.acquire(1, range(E)) as after:
-                for e, w in after.items():
+            with tier.acquire(1, range(E)) as got:
+                for e, w in got.items():
                     for m, old in zip((w.gate, w.up, w.down), want[e], strict=True):
                         np.testing.assert_array_equal(m.data, old)
-                        assert np.shares_memory(m.data, memory)  # computed from the shared memory now
+                        assert np.shares_memory(m.data, memory)  # computed from the shared memory
             hits = tier.stats().hits[2]
             tier.note_shared(2, np.array([0, 3]), np.array([2, 1]))
             assert tier.stats().hits[2] == hits + 3 and tier.heat().uses[1, 0] >= 2
         small = TierConfig(budget_bytes=index.total_bytes - 1)  # never roomy: nothing to share
         with ExpertTier.open(index, small, depth=2) as tier:
+            assert not tier.use_shared_memory()
             tier.preload()
             assert tier.share() is None
 

@@ -148,7 +148,12 @@ class KVCache:
         return min((int(a.shape[0]) for a in self._arrays[layer].values()), default=None)
 
     def _layer_floats(self, layer: int) -> int:
-        return sum(int(np.prod(s)) for s in self.layer_layout(layer).values())
+        """Floats a position of layer `layer` keeps (its layout's, fixed: counted once)."""
+        floats = self.__dict__.get("_floats")
+        if floats is None:
+            floats = self.__dict__["_floats"] = [sum(int(np.prod(s)) for s in self.layer_layout(i).values())
+                                                 for i in range(self.num_layers)]
+        return int(floats[layer])
 
     def _zero_state(self) -> dict[tuple[int, str], F32]:
         return {(i, n): np.zeros(shape, dtype=np.float32) for i, lay in self.state_layout.items()

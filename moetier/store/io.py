@@ -59,6 +59,7 @@ class _Job:
     priority: int
     future: Future[Buffer] = field(default_factory=Future)
     state: int = QUEUED
+    into: Buffer | None = None  # the caller's buffer for the record (else one of the pool's)
 
 
 class IOEngine:
@@ -107,10 +108,11 @@ class IOEngine:
         return self.copies.primary.stats.direct
 
     # ---- submitting -----------------------------------------------------------------
-    def submit(self, key: ExpertKey, priority: int = DEMAND) -> Future[Buffer]:
+    def submit(self, key: ExpertKey, priority: int = DEMAND, into: Buffer | None = None) -> Future[Buffer]:
         """The future of record `key` (a page-aligned buffer; the record is its first
         `index.location(key).length` bytes). Joins a read in flight; a demand request
-        promotes a queued prefetch read."""
+        promotes a queued prefetch read. into: read into this page-aligned buffer of at least
+        the record's length (the caller's, never the pool's) instead of a pooled one."""
         loc = self.index.location(key)
         with self._lock:
             if self._closed:
@@ -122,7 +124,7 @@ class IOEngine:
                     job.priority = priority  # the stale queue entry is skipped when popped
                     self._queue.put((priority, next(self._seq), job))
                 return job.future
-            job = _Job(key, loc, priority)
+            job = _Job(key, loc, priority, into=into)
             self._inflight[key] = job
             self._stats.submitted += 1
             self._stats.queued += 1
@@ -180,7 +182,7 @@ class IOEngine:
             buf: Buffer | None = None
             err: BaseException | None = None
             try:
-                buf = self._read_verified(job.key, job.loc)
+                buf = self._read_verified(job.key, job.loc, job.into)
             except BaseException as e:
                 err = e
             with self._lock:
@@ -196,11 +198,11 @@ class IOEngine:
                 job.future.set_result(buf)  # type: ignore[arg-type]
             del job, buf, err  # an idle worker must not keep the last record alive (buffer reuse)
 
-    def _read_verified(self, key: ExpertKey, loc: RecordLocation) -> Buffer:
+    def _read_verified(self, key: ExpertKey, loc: RecordLocation, into: Buffer | None = None) -> Buffer:
         if self._read_delay is not None and (delay := self._read_delay()) > 0:
             time.sleep(delay)
         order = self.copies.order(key, loc)
-        buf = self.pool.get()
+        buf = into if into is not None else self.pool.get()
         problems: list[str] = []
         bad_checksum = False
         for i, copy in enumerate(order):
@@ -239,9 +241,10 @@ class IOEngine:
             problems.append(f"{copy.name}: checksum mismatch")
             log.error("checksum mismatch: layer %d expert %d in %s at offset %d (%s)", key[0], key[1],
                       copy.root / loc.path, loc.offset, copy.name)
-        box = Holder(buf)
-        del buf
-        self.pool.reclaim(box)
+        if into is None:
+            box = Holder(buf)
+            del buf
+            self.pool.reclaim(box)
         where = f"layer {key[0]} expert {key[1]}: file {self.index.root / loc.path} offset {loc.offset}"
         if bad_checksum:
             with self._lock:

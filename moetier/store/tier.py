@@ -96,6 +96,15 @@ class _Entry:
 
 
 @dataclass
+class _Arena:
+    fd: int
+    mapping: mmap.mmap
+    size: int
+    offsets: dict[ExpertKey, int]  # each record's page-aligned slot, in key order
+    bytes: Buffer  # the whole mapping
+
+
+@dataclass
 class SharedRecords:
     """Every record of a tier in one shared memory (`ExpertTier.share`)."""
 
@@ -206,6 +215,7 @@ class ExpertTier:
                                 prefetch_useful_by_layer={layer: 0 for layer in self.index.layers},
                                 prefetch_wasted_by_layer={layer: 0 for layer in self.index.layers})
         self._closed = False
+        self._arena: _Arena | None = None  # use_shared_memory
         self._shared: SharedRecords | None = None
 
     @classmethod
@@ -356,7 +366,11 @@ class ExpertTier:
 
     # ---- reads and eviction (under the lock) ----------------------------------------
     def _start_read(self, e: _Entry, priority: int) -> None:
-        fut = self.engine.submit(e.key, priority)
+        into = None
+        if self._arena is not None:  # the record's own slot of the shared memory
+            off = self._arena.offsets[e.key]
+            into = self._arena.bytes[off : off + -(-e.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE]
+        fut = self.engine.submit(e.key, priority, into)
         fut.add_done_callback(lambda f, e=e: self._loaded(e, f))  # type: ignore[misc]
 
     def _loaded(self, e: _Entry, fut: Future[Buffer]) -> None:
@@ -400,7 +414,7 @@ class ExpertTier:
             ready.set_result(value)
             return
         ready.set_exception(exc or Unavailable("read superseded"))
-        if buf is not None:  # a parse failure: nobody got the record
+        if buf is not None and self._arena is None:  # a parse failure: nobody got the record (a slot stays)
             box = Holder(buf)
             del buf, value, rec
             self.engine.reclaim(box)
@@ -426,7 +440,8 @@ class ExpertTier:
             self._stats.prefetch_wasted += 1
             self._stats.prefetch_wasted_by_layer[key[0]] += 1
         e.value = e.ready = None  # drop every reference of ours so the buffer can be recycled
-        self.engine.reclaim(e)
+        if self._arena is None:  # (a tier in shared memory never evicts; its slots are never pooled)
+            self.engine.reclaim(e)
 
     # ---- preload --------------------------------------------------------------------
     def preload(self) -> tuple[int, int, int]:
@@ -456,46 +471,48 @@ class ExpertTier:
         return len(ok), sum(ok), len(mine) - len(ok)
 
     # ---- shared memory ----------------------------------------------------------------
-    def share(self) -> SharedRecords | None:
-        """Move every record into one shared memory (a memfd) that another process on this host
-        may map and compute from (the local lane: moetier/rpc/local.py), and return it; None
-        unless the budget holds every expert (nothing is ever evicted, so no record moves again)
-        and every one is resident (after `preload`). Each entry's buffer and parsed value become
-        views of the shared memory (the same bytes, copied once); the old buffers are let go.
-        Call before computes start (a compute holding an old value keeps its buffer alive, so it
-        stays right either way). Shared once: later calls return the same."""
+    def use_shared_memory(self) -> bool:
+        """Keep every record in one shared memory (a memfd, records page-aligned in key order)
+        that `share` can then hand to another process on this host: reads from now on land there.
+        Only a tier whose budget holds every expert (it never evicts, so no record moves and none
+        is overwritten); call before any read (the store: before its preload). Returns whether
+        the tier does so."""
         with self._cond:
             self._check_open()
-            if self._shared is not None or not self._roomy:
+            if not self._roomy:
+                return False
+            if self._arena is None:
+                keys = sorted(self.index.records)
+                offsets, size = {}, 0
+                for k in keys:
+                    offsets[k] = size
+                    size += -(-self.index.records[k].length // mmap.PAGESIZE) * mmap.PAGESIZE
+                fd = os.memfd_create("moetier-experts", os.MFD_CLOEXEC)
+                try:
+                    os.ftruncate(fd, max(size, mmap.PAGESIZE))
+                    mm = mmap.mmap(fd, max(size, mmap.PAGESIZE))
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._arena = _Arena(fd, mm, size, offsets, np.frombuffer(mm, dtype=np.uint8))
+            return True
+
+    def share(self) -> SharedRecords | None:
+        """The shared memory of `use_shared_memory` for another process to map and compute from
+        (the local lane: moetier/rpc/local.py), once every record is resident in it (after
+        `preload`); None before, or without it. Shared once: later calls return the same."""
+        with self._cond:
+            self._check_open()
+            arena = self._arena
+            if self._shared is not None or arena is None:
                 return self._shared
-            keys = sorted(self.index.records)
-            entries = [self._entries.get(k) for k in keys]
-            if any(e is None or e.loading or e.buf is None for e in entries):
-                return None
-            offsets, size = [], 0
-            for e in entries:
-                assert e is not None
-                offsets.append(size)
-                size += -(-e.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-            fd = os.memfd_create("moetier-experts", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, max(size, mmap.PAGESIZE))
-                mm = mmap.mmap(fd, max(size, mmap.PAGESIZE))
-            except BaseException:
-                os.close(fd)
-                raise
-            arena = np.frombuffer(mm, dtype=np.uint8)
-            for e, off in zip(entries, offsets, strict=True):
-                assert e is not None and e.buf is not None
-                view = arena[off : off + e.nbytes]
-                view[:] = e.buf[: e.nbytes]
-                value = self.index.parse(view) if self.index.parse is not None else view
-                ready: Future[Any] = Future()
-                ready.set_result(value)
-                e.buf, e.value, e.ready = view, value, ready
-            table = np.array([(k[0], k[1], off, e.nbytes) for k, e, off in zip(keys, entries, offsets, strict=True)
-                              if e is not None], dtype=np.int64).reshape(-1, 4)
-            self._shared = SharedRecords(fd, mm, size, table)
+            rows = []
+            for k, off in arena.offsets.items():
+                e = self._entries.get(k)
+                if e is None or e.loading or e.buf is None:
+                    return None
+                rows.append((k[0], k[1], off, e.nbytes))
+            self._shared = SharedRecords(arena.fd, arena.mapping, arena.size, np.array(rows, dtype=np.int64))
             return self._shared
 
     @property
@@ -642,8 +659,8 @@ class ExpertTier:
         except OSError as e:
             log.warning("could not save usage history to %s: %s", self.config.history_path, e)
         self.engine.close()
-        if self._shared is not None:
-            os.close(self._shared.fd)  # the mapping goes with the last view of it
+        if self._arena is not None:
+            os.close(self._arena.fd)  # the mapping goes with the last view of it
 
     def __enter__(self) -> ExpertTier:
         return self

@@ -189,10 +189,9 @@ class _Usage:
         self.layers: dict[int, list[int]] = {}  # layer -> [calls, rows]
         self.since = time.monotonic()
 
-    def add(self, layer: int, ids: I32, rows: int) -> None:
-        used = ids[ids >= 0]
-        union, slots = np.unique(used, return_counts=True)
-        for e, n in zip(union.tolist(), slots.tolist(), strict=True):
+    def add(self, layer: int, union: list[int], slots: list[int], rows: int) -> None:
+        """A call of `layer`: its batch union, the slots routed to each, its rows."""
+        for e, n in zip(union, slots, strict=True):
             c = self.experts.setdefault((layer, e), [0, 0])
             c[0] += 1
             c[1] += n
@@ -349,8 +348,10 @@ class RemoteExperts:
             return None
         t0 = time.perf_counter()
         ids = np.ascontiguousarray(ids, dtype=np.int32)
+        union_a, slots_a = np.unique(ids[ids >= 0] if slot_outputs else ids, return_counts=True)
+        union = union_a.tolist()
         experts = {}
-        for e in np.unique(ids[ids >= 0]).tolist():
+        for e in union:
             w = self._weights.get((layer, e))
             if w is None:
                 if (layer, e) not in lane.shared.where:
@@ -367,7 +368,7 @@ class RemoteExperts:
         self.stats.shared_calls += 1
         self.stats.rows += len(x)
         self.stats.store_hits += len(experts)
-        self._usage.add(layer, ids, len(x))
+        self._usage.add(layer, union, slots_a.tolist(), len(x))
         return y
 
     def flush_usage(self, force: bool = False) -> None:

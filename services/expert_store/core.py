@@ -239,18 +239,18 @@ class StoreCore:
         t0 = time.perf_counter()
         await asyncio.get_running_loop().run_in_executor(self._compute, self._warm)
         log.info("kernels warm (%s) in %.2f s", self.ops, time.perf_counter() - t0)
+        if self.settings.storage.share:
+            self.tier.use_shared_memory()  # a roomy tier reads into shared memory from now on
         if self.settings.storage.preload:
             t0 = time.perf_counter()
             n, nbytes, failed = await asyncio.to_thread(self.tier.preload)
             if n or failed:
                 log.info("preloaded %d experts (%.2f GB, the whole budget holds them) in %.2f s%s", n, nbytes / 1e9,
                          time.perf_counter() - t0, f"; {failed} reads failed (read again on demand)" if failed else "")
-        if self.settings.storage.share:
-            t0 = time.perf_counter()
-            shared = await asyncio.to_thread(self.tier.share)
-            if shared is not None:
-                log.info("sharing %d experts (%.2f GB) with dense workers on this host (moved into shared memory "
-                         "in %.2f s)", len(shared.table), shared.size / 1e9, time.perf_counter() - t0)
+        shared = self.tier.share() if self.settings.storage.share else None
+        if shared is not None:
+            log.info("sharing %d experts (%.2f GB) with dense workers on this host", len(shared.table),
+                     shared.size / 1e9)
         if self.tier.config.history_path is not None and self._saver is None:
             self._saver = asyncio.get_running_loop().create_task(self._save_history_periodically(),
                                                                   name="expert-history-saver")
