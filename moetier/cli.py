@@ -20,33 +20,49 @@ from moetier.errors import MoetierError
 from moetier.lifeline import die_with_launcher
 
 
-def _modules(pkg: ModuleType) -> list[ModuleType]:
-    return [
-        importlib.import_module(f"{pkg.__name__}.{m.name}")
-        for m in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name)
-        if not m.name.startswith("_")
-    ]
+def _modules(pkg: ModuleType, only: str | None = None) -> list[ModuleType]:
+    """The command modules of `pkg`; only: just the one of that name (if there is one)."""
+    names = [m.name for m in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name)
+             if not m.name.startswith("_") and (only is None or m.name == only)]
+    return [importlib.import_module(f"{pkg.__name__}.{n}") for n in names]
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or, given the command a command line names, of that one
+    alone where its module is found by name (`expert-store`: commands/expert_store.py): a
+    service's process then imports what it runs, not every command's dependencies (each of the
+    five processes of `moetier up` held ~90 MB more with all of them)."""
     parser = argparse.ArgumentParser(
         prog="moetier",
         description="Serve Mixture-of-Experts models far larger than RAM.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for mod in _modules(commands):
+    mods = _modules(commands, command.replace("-", "_")) if command else []
+    for mod in mods:
         mod.register(sub)
+    if command not in sub.choices:  # no command named, or not a module's name: all of them
+        for mod in _modules(commands):
+            if mod not in mods:
+                mod.register(sub)
     from moetier.commands._env import describe
 
     describe(sub)  # each command's --help ends with its settings' environment variables
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    """The command a command line names: its first word that is not an option."""
+    for a in argv:
+        if not a.startswith("-"):
+            return a
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a process of its own (a launcher's child), not a call from Python
         die_with_launcher()
-    parser = build_parser()
+    parser = build_parser(_command(sys.argv[1:] if argv is None else argv))
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
