@@ -90,6 +90,11 @@ def test_plan_in_process_and_default_cap(tmp_path: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out if line.startswith("q")] == ["q4 resident", "q8 resident"]
     assert all(line.endswith("moetier (in-process engine)") for line in out if line.startswith("q"))
+    assert main(["bench", "peers", "--config", str(_config(tmp_path)), "--plan", "--precision", "q4",
+                 "--regime", "resident", "--activations", "int8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("q4")] == [
+        "q4 resident: llama.cpp; llama.cpp, weights mmapped (no repack); moetier (moetier up), int8 activations (LOSSY)"]
 
 
 # ---- cgroup, read-ahead, process tree ---------------------------------------------------------
@@ -244,7 +249,9 @@ def test_moetier_up_and_in_process_through_the_trial(tiny: Path, tmp_path: Path)
                           prefill=[tok.decode(prompt_ids(tok, 40, 1))], token_counts={"prefill0": 40})
     rows = [run.Row("moetier (moetier up)", lambda w: MoetierUp(label="", kind="moetier", work=w, model=tiny)),
             run.Row("moetier (in-process engine)",
-                    lambda w: MoetierInProcess(label="", kind="moetier", work=w, model=tiny))]
+                    lambda w: MoetierInProcess(label="", kind="moetier", work=w, model=tiny)),
+            run.Row("moetier (moetier up), int8 activations (LOSSY)",
+                    lambda w: MoetierUp(label="", kind="moetier", work=w, model=tiny, activations="int8"))]
     block = run.Block("q4", "resident", rows)
     results = run.run_block(block, 1, prompts, tmp_path, cpus=sorted(os.sched_getaffinity(0))[:2], tokens=8,
                             use_cgroups=False, ra=None, say=lambda _: None)
@@ -257,7 +264,12 @@ def test_moetier_up_and_in_process_through_the_trial(tiny: Path, tmp_path: Path)
         assert r["texts"] == [want, want]
         assert r["decode"]["ttft_s"] > 0 and r["prefill"]["prefill_tok_s"] > 0
         assert r["decode"]["usage_tokens"] is not None and r["decode"]["tokens"] <= r["decode"]["usage_tokens"]
-    assert report.text_check(results)["same_text"]
+    lossy = results["moetier (moetier up), int8 activations (LOSSY)"][0]
+    assert lossy["texts"][0] == lossy["texts"][1] and lossy["decode"]["ttft_s"] > 0
+    log = (tmp_path / "q4-resident-moetier-moetier-up-int8-activations-lossy-r0" / "data" / "logs" /
+           "dense_worker.log")
+    assert "int8 activations (LOSSY" in log.read_text()  # the mode the row names is the mode that ran
+    assert report.text_check({k: v for k, v in results.items() if "LOSSY" not in k})["same_text"]
 
 
 def test_client_counts_tokens_and_reads_the_counters(tiny: Path, tmp_path: Path) -> None:

@@ -73,6 +73,9 @@ def register(sub: Any) -> None:
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per decode request (default 64)")
     p.add_argument("--prefill-tokens", type=int, default=1024, help="prompt of the prefill request (default 1024)")
     p.add_argument("--in-process", action="store_true", help="moetier's in-process engine instead of `moetier up`")
+    p.add_argument("--activations", choices=["exact", "int8"], default="exact",
+                   help="moetier's kernels: exact (default) or int8 (LOSSY: the int8-activation mode, "
+                   "kernels.activations, named in each of its rows)")
     p.add_argument("--cap", help="memory limit of the capped regime (bytes, e.g. 2.2GB; default: --cap-share "
                    "of the GGUF's bytes + --runtime)")
     p.add_argument("--cap-share", type=float, default=0.40, help="share of the model's bytes (default 0.40)")
@@ -211,6 +214,8 @@ def plan_blocks(args: argparse.Namespace, precisions: list[Precision], regimes: 
     """The blocks to run. `paths[precision]` holds "gguf" and "container" once they exist."""
     blocks = []
     moetier_label = "moetier (in-process engine)" if args.in_process else "moetier (moetier up)"
+    if args.activations == "int8":
+        moetier_label += ", int8 activations (LOSSY)"
     n_ctx = max(2048, -(-(args.prefill_tokens + args.tokens + 64) // 256) * 256)
 
     def llama(p: Precision, repack: bool) -> Callable[[Path], System]:
@@ -224,7 +229,7 @@ def plan_blocks(args: argparse.Namespace, precisions: list[Precision], regimes: 
 
         def make(work: Path) -> System:
             return cls(label=moetier_label, kind="moetier", work=work, model=paths[p.name]["container"],
-                       expert_cache=cache)
+                       expert_cache=cache, activations=args.activations)
         return make
 
     for p in precisions:
@@ -305,6 +310,7 @@ def measure(args: argparse.Namespace, data: Path, peer: Peer, precisions: list[P
         "llama_cpp": peer.record,
         "settings": {"rounds": args.rounds, "threads": args.threads, "cpus": cpus, "prompt_tokens": args.prompt_tokens,
                      "tokens": args.tokens, "prefill_tokens": args.prefill_tokens, "in_process": args.in_process,
+                     "activations": args.activations,
                      "cgroups": use_cgroups, "model": f"synth {inputs.PRESET} seed {inputs.SEED}"},
         "models": {p.name: {"describe": p.describe(), "gguf": inputs.gguf_summary(paths[p.name]["gguf"]),
                             "container": inputs.container_summary(paths[p.name]["container"])} for p in precisions},

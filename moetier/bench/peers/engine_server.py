@@ -109,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--expert-cache", default="100%")
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--activations", choices=["exact", "int8"], default="exact", help="the kernels' (int8: lossy)")
     p.add_argument("--config", type=Path)
     a = p.parse_args(argv)
     settings = load_settings(a.config)
-    engine = Engine.open(a.model, budget=a.expert_cache)
+    engine = Engine.open(a.model, budget=a.expert_cache, activations=a.activations)
     if settings.storage.preload:  # as the expert store does: a budget that holds every expert starts full
         engine.experts.tier.preload()
     handler = type("Handler", (_Handler,), {"engine": engine, "name": a.model.name,

@@ -166,6 +166,7 @@ class LlamaCpp(System):
 class MoetierUp(System):
     model: Path = Path()
     expert_cache: str = "100%"
+    activations: str = "exact"  # kernels.activations (int8: lossy)
     usage: bool = True
 
     def argv(self) -> list[str]:
@@ -175,6 +176,7 @@ class MoetierUp(System):
             "data_dir": str(self.work / "data"),
             "model": {"path": str(self.model), "expert_cache": self.expert_cache},
             "gateway": {"bind": f"127.0.0.1:{ports[-1]}"},
+            "kernels": {"activations": self.activations},
         }
         for i, name in enumerate(names):
             cfg[name] = {"bind": f"127.0.0.1:{ports[2 * i]}", "address": f"127.0.0.1:{ports[2 * i]}",
@@ -212,6 +214,7 @@ class MoetierUp(System):
 class MoetierInProcess(System):
     model: Path = Path()
     expert_cache: str = "100%"
+    activations: str = "exact"  # the engine's kernels (int8: lossy)
     usage: bool = True
 
     def argv(self) -> list[str]:
@@ -219,7 +222,7 @@ class MoetierInProcess(System):
         self.url = f"http://127.0.0.1:{port}"
         self.model_name = self.model.name
         return [sys.executable, "-m", "moetier.bench.peers.engine_server", "--model", str(self.model),
-                "--expert-cache", self.expert_cache, "--port", str(port)]
+                "--expert-cache", self.expert_cache, "--port", str(port), "--activations", self.activations]
 
     def env(self) -> dict[str, str]:
         return {k: v for k, v in os.environ.items() if not k.startswith("MOETIER_")}
