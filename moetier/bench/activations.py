@@ -165,11 +165,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"moetier bench activations: int8 activations (LOSSY) against the exact kernels, FastOps {backend}; "
           f"teacher-forced over {args.tokens} tokens of shipped text, greedy {args.generate} tokens after a "
           f"{args.prompt_tokens}-token prompt")
-    print(f"{'model':<22} {'arch':<18} {'weights':<8} {'top-1 agree':>11} {'logit err':>10} {'max |diff|':>10} "
+    w = max(22, *(len(r.model) for r in rows))
+    print(f"{'model':<{w}} {'arch':<18} {'weights':<8} {'top-1 agree':>11} {'logit err':>10} {'max |diff|':>10} "
           f"{'KL nats':>9} {'greedy equal':>13}")
     for r in rows:
         note = "  (no linear inside the int8 contract: exact)" if r.identical else ""
-        print(f"{r.model:<22} {r.arch:<18} {r.kind:<8} {100 * r.top1:>10.1f}% {100 * r.rel_rms:>9.2f}% "
+        print(f"{r.model:<{w}} {r.arch:<18} {r.kind:<8} {100 * r.top1:>10.1f}% {100 * r.rel_rms:>9.2f}% "
               f"{r.max_abs:>10.4f} {r.kl:>9.2e} {r.greedy_equal:>6}/{r.greedy_tokens:<6}{note}")
     print("logit err: RMS of (int8 - exact) / RMS of exact, over every logit; KL: mean over positions of "
           "KL(exact || int8) of the next-token distributions")
