@@ -20,10 +20,11 @@ import pytest
 from moetier.convert import synth
 from moetier.errors import Unavailable
 from moetier.kernels import FastOps
+from moetier.model.ops import DoneCall
 from moetier.settings import load_settings
 from moetier.store.tier import ExpertTier, TierConfig
 from moetier.weights.container import Container
-from services.dense_worker.remote import RemoteExperts, SharedCompute, _Computed
+from services.dense_worker.remote import RemoteExperts, SharedCompute
 from services.expert_store.server import StoreServer, create_server
 
 pytestmark = [pytest.mark.timeout(60),
@@ -119,7 +120,7 @@ async def test_a_worker_computes_shared_experts_with_the_stores_bits(model: Path
                     # a sharded placement's call: slots of another store (-1) left out, each slot's output
                     ids[0, 0] = -1
                     call = await asyncio.to_thread(here.moe_start, layer, x, ids, w, slot_outputs=True)
-                    assert isinstance(call, _Computed)  # nothing was sent
+                    assert isinstance(call, DoneCall)  # nothing was sent
                     ref = await asyncio.to_thread(there.moe_start, layer, x, ids, w, slot_outputs=True)
                     np.testing.assert_array_equal(call.result(), await asyncio.to_thread(ref.result))
                     n += 1

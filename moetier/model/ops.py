@@ -102,7 +102,9 @@ class MoeCall(Protocol):
         ...
 
 
-class _Done:
+class DoneCall:
+    """A `moe` computed already (a MoeCall whose result is there)."""
+
     def __init__(self, y: F32) -> None:
         self._y = y
 
@@ -123,7 +125,7 @@ def start_moe(experts: ExpertProvider, layer: int, x: F32, ids: npt.NDArray[np.i
     if begin is not None:
         call: MoeCall = begin(layer, x, ids, weights)
         return call
-    return _Done(experts.moe(layer, x, ids, weights))
+    return DoneCall(experts.moe(layer, x, ids, weights))
 
 
 def wants_hints(experts: ExpertProvider) -> bool:

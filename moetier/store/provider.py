@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import InvalidArgument
-from moetier.model.ops import Ops
+from moetier.model.ops import DoneCall, Ops
 from moetier.store.compute import ComputeResult, ComputeStats, TierCompute
 from moetier.store.tier import ExpertTier, TierConfig
 from moetier.weights.container import Container
@@ -70,13 +70,13 @@ class TieredExperts:
         self._note_layer(layer)
         return self.compute.run(layer, x, ids, weights).output
 
-    def moe_start(self, layer: int, x: F32, ids: I32, weights: F32) -> _Pending | _Ready:
+    def moe_start(self, layer: int, x: F32, ids: I32, weights: F32) -> _Pending | DoneCall:
         """`moe` under way (see the module docstring); `result()` gives its output."""
         self._note_layer(layer)
         job = self.compute.start(layer, x, ids, weights, block=True)
         assert job is not None
         if job.resident:
-            return _Ready(self.compute.finish(job).output)
+            return DoneCall(self.compute.finish(job).output)
         if self._helper is None:
             self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetier-experts")
         return _Pending(self._helper.submit(self.compute.finish, job))
@@ -104,17 +104,6 @@ class TieredExperts:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Ready:
-    def __init__(self, y: F32) -> None:
-        self._y = y
-
-    def result(self) -> F32:
-        return self._y
-
-    def abandon(self) -> None:
-        pass
 
 
 class _Pending:

@@ -58,7 +58,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import InvalidArgument, MoetierError, Unavailable
-from moetier.model.ops import Ops, combine_slots
+from moetier.model.ops import DoneCall, Ops, combine_slots
 from moetier.rpc.channels import RECONNECT_OPTIONS
 from moetier.rpc.errors import from_rpc_error
 from moetier.rpc.local import LocalClient
@@ -168,19 +168,6 @@ class _LaneCall:
             self.lane.lock.release()
 
 
-class _Computed:
-    """A call computed here from the store's shared experts: its output is there already."""
-
-    def __init__(self, y: F32) -> None:
-        self._y = y
-
-    def result(self) -> F32:
-        return self._y
-
-    def abandon(self) -> None:
-        pass
-
-
 class _Usage:
     """Calls computed from the shared experts since the last LocalUsage."""
 
@@ -275,7 +262,7 @@ class RemoteExperts:
         return self._output(layer, x, resp)
 
     def moe_start(self, layer: int, x: F32, ids: I32, weights: F32, *, slot_outputs: bool = False,
-                  timeout_s: float | None = None) -> _Call | _LaneCall | _Computed:
+                  timeout_s: float | None = None) -> _Call | _LaneCall | DoneCall:
         """`moe` under way: the call is made by the caller thread while the step thread goes on
         (the shared expert); `result()` waits for it. The step clock's "expert" phase counts the
         wait only. On the local lane the call is sent here and nothing else is needed.
@@ -285,7 +272,7 @@ class RemoteExperts:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         y = self._shared_compute(layer, x, ids, weights, slot_outputs)
         if y is not None:
-            return _Computed(y)
+            return DoneCall(y)
         lane_call = self._lane_start(layer, x, ids, weights, slot_outputs, timeout)
         if lane_call is not None:
             return lane_call

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import MoetierError, NotFound, RowsUnavailable, Unavailable
-from moetier.model.ops import combine_slots
+from moetier.model.ops import DoneCall, combine_slots
 from moetier.placement import ExpertRange, PlacementMap, StoreEntry
 from moetier.rpc.channels import RECONNECT_OPTIONS
 from moetier.rpc.errors import from_rpc_error
@@ -49,7 +49,6 @@ from services.dense_worker.remote import (
     RemoteStats,
     SharedCompute,
     _Call,
-    _Computed,
     _LaneCall,
 )
 from services.dense_worker.timing import PhaseClock
@@ -114,7 +113,7 @@ class _ShardedCall:
     store that failed."""
 
     def __init__(self, owner: ShardedExperts, layer: int, x: F32, ids: I32, weights: F32, deadline: float,
-                 parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall | _Computed]],
+                 parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall | DoneCall]],
                  failed_here: frozenset[str] = frozenset()) -> None:
         self.owner, self.layer, self.x, self.ids, self.weights = owner, layer, x, ids, weights
         self.deadline, self.parts, self.failed_here = deadline, parts, failed_here
@@ -204,7 +203,7 @@ class ShardedExperts:
             rows = np.flatnonzero(np.isin(ids, np.asarray(missing, dtype=ids.dtype)).any(axis=1))
             raise RowsUnavailable(self._no_owner(pmap, layer, missing), frozenset(rows.tolist()))
         remaining = max(deadline - time.monotonic(), 1e-3)
-        parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall | _Computed]] = []
+        parts: list[tuple[str, npt.NDArray[np.bool_] | None, _Call | _LaneCall | DoneCall]] = []
         try:
             if len(assign) == 1:
                 (i, _), = assign.items()
