@@ -823,3 +823,26 @@ def test_gpt_oss_experts_with_biases_and_clamped_swiglu() -> None:
     assert (g > 7).any() and (g < -7).any()
     plain = {e: ExpertWeights(w.gate, w.up, w.down) for e, w in ex.items()}
     assert not np.allclose(FastOps("c" if c_available() else "numba").moe(x, ids, wts, plain), outs[0])
+
+
+@pytest.mark.skipif(not c_available(), reason="the C extension is not built")
+def test_linears_together_give_each_linears_bits() -> None:
+    """FastOps.linears (an attention layer's q, k, v in one job of the pool) gives what each
+    linear gives alone, bit for bit, on every path, exact and with int8 activations: weights of
+    several dtypes and group sizes, with and without bias, from one token to a prefill chunk."""
+    rng = np.random.default_rng(43)
+    cols = 256
+    ws = [quantize(rand(rng, 40, cols), "int4", 64), quantize(rand(rng, 24, cols), "int8", 64),
+          quantize(rand(rng, 17, cols), "bf16", 0), quantize(rand(rng, 8, cols), "int4", 32),
+          quantize(rand(rng, 33, cols), "int4", 64)]
+    biases = [rand(rng, 40), None, rand(rng, 17), None, None]
+    for path in [b for b in BACKENDS if b != "numba"]:
+        for act in ("exact", "int8"):
+            ops = FastOps(path, threads=2, activations=act)  # type: ignore[arg-type]
+            for t in (1, 3, 40):
+                x = rand(rng, t, cols)
+                together = ops.linears(x, list(zip(ws, biases, strict=True)))
+                for got, w, b in zip(together, ws, biases, strict=True):
+                    assert same_bits(got, ops.linear(x, w, b)), (path, act, t, w.dtype)
+    with pytest.raises(ValueError, match="does not fit"):
+        FastOps("c").linears(rand(rng, 2, 100), [(ws[0], None)])

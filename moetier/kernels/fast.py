@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any, Literal
 
@@ -41,7 +41,7 @@ Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "nu
 BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "mxfp4": 4}
 
-C_KERNELS_VERSION = 12  # MT_KERNELS_VERSION in csrc/mt.h
+C_KERNELS_VERSION = 13  # MT_KERNELS_VERSION in csrc/mt.h
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
@@ -272,6 +272,11 @@ class _CBackend:
         t, c = x.shape
         self.mod.linear(x, t, c, out.shape[1], _spec(w, "w")[2], bias, out, self.isa, self.threads, self.int8)
 
+    def linears(self, x: F32, ws: Sequence[tuple[QTensor, F32 | None, F32]]) -> None:
+        t, c = x.shape
+        self.mod.linears(x, t, c, [(out.shape[1], _spec(w, "w")[2], bias, out) for w, bias, out in ws],
+                         self.isa, self.threads, self.int8)
+
     def ffn(self, x: F32, w: ExpertWeights, out: F32) -> None:
         t, d = x.shape
         if _plain(w):
@@ -426,6 +431,30 @@ class FastOps:
         if x.shape[0] and rows:
             self._k.linear(x, w, bias, out)
         return out
+
+    def linears(self, x: F32, ws: Sequence[tuple[QTensor, F32 | None]]) -> list[F32]:
+        """[linear(x, w, bias) for (w, bias) in ws], computed together (one job of the kernels'
+        pool: an attention layer's q, k and v); the same bits as one by one."""
+        x = _f32(x, "x")
+        if not isinstance(self._k, _CBackend) or not 1 <= len(ws) <= 64:
+            return [self.linear(x, w, b) for w, b in ws]
+        todo: list[tuple[QTensor, F32 | None, F32]] = []
+        for w, bias in ws:
+            rows, cols, _ = _spec(w, "w")
+            if x.ndim != 2 or x.shape[1] != cols:
+                raise ValueError(f"linears: x {x.shape} does not fit w {w.shape} (want x [T, {cols}])")
+            if bias is not None:
+                bias = _f32(bias, "bias")
+                if bias.shape != (rows,):
+                    raise ValueError(f"linears: bias {bias.shape} does not fit w {w.shape} (want [{rows}])")
+            todo.append((w, bias, np.empty((x.shape[0], rows), dtype=np.float32)))
+        if x.shape[0] and all(out.shape[1] for _, _, out in todo):
+            self._k.linears(x, todo)
+        elif x.shape[0]:
+            for w, bias, out in todo:
+                if out.shape[1]:
+                    self._k.linear(x, w, bias, out)
+        return [out for _, _, out in todo]
 
     def rmsnorm(self, x: F32, weight: F32, eps: float) -> F32:
         """Row-wise x / sqrt(mean(x^2) + eps) * weight; x [T, C] -> [T, C]."""

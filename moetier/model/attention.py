@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from moetier.model.config import ModelArgs
 from moetier.model.kv_cache import KVCache
-from moetier.model.ops import Ops
+from moetier.model.ops import Ops, linears
 from moetier.model.rope import Rope
 from moetier.model.weights import vector
 from moetier.weights.quant import QTensor, quantize
@@ -89,9 +89,9 @@ class GqaAttention:
         """h [T, D] (normed), cos/sin [T, P] -> [T, D]; writes k, v of every segment."""
         a = self.args
         t, hd = h.shape[0], a.head_dim
-        q = self._qk_norm(ops, ops.linear(h, self.wq, self.bq), self.q_norm, a.num_heads)  # [T, H*hd]
-        k = self._qk_norm(ops, ops.linear(h, self.wk, self.bk), self.k_norm, a.num_kv_heads)  # [T, Hkv*hd]
-        v = ops.linear(h, self.wv, self.bv)  # [T, Hkv*hd]
+        q, k, v = linears(ops, h, [(self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)])  # one job
+        q = self._qk_norm(ops, q, self.q_norm, a.num_heads)  # [T, H*hd]
+        k = self._qk_norm(ops, k, self.k_norm, a.num_kv_heads)  # [T, Hkv*hd]; v [T, Hkv*hd]
         if a.clip_qkv is not None:
             c = np.float32(a.clip_qkv)
             q, k, v = np.clip(q, -c, c), np.clip(k, -c, c), np.clip(v, -c, c)

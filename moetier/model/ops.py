@@ -20,7 +20,7 @@ S = cached positions, dq = query/key width, dv = value width, K = top-k, D = hid
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -126,6 +126,15 @@ def start_moe(experts: ExpertProvider, layer: int, x: F32, ids: npt.NDArray[np.i
         call: MoeCall = begin(layer, x, ids, weights)
         return call
     return DoneCall(experts.moe(layer, x, ids, weights))
+
+
+def linears(ops: Ops, x: F32, ws: Sequence[tuple[QTensor, F32 | None]]) -> list[F32]:
+    """[ops.linear(x, w, bias) for (w, bias) in ws]: together where the ops can (FastOps.linears:
+    one job of the kernels' pool), one by one otherwise; the same bits either way."""
+    together = getattr(ops, "linears", None)
+    if together is not None:
+        return list(together(x, ws))
+    return [ops.linear(x, w, b) for w, b in ws]
 
 
 def wants_hints(experts: ExpertProvider) -> bool:

@@ -142,6 +142,48 @@ fail:
     return NULL;
 }
 
+/* linears(x, T, C, [(R, (dtype, data, scales, g), bias or None, out)], isa, threads, q8): several
+ * linears of one x in one job (mt_linears). */
+static PyObject *py_linears(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *specs;
+    long long T, C;
+    int isa_i, nthreads, q8 = 0;
+    if (!PyArg_ParseTuple(args, "OLLO!ii|p", &xo, &T, &C, &PyList_Type, &specs, &isa_i, &nthreads, &q8)) return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(specs);
+    if (n < 1 || n > 64) {
+        PyErr_Format(PyExc_ValueError, "linears: %zd weights (1 to 64)", n);
+        return NULL;
+    }
+    bufset bs = {.n = 0};
+    qmat w[64];
+    const float *bias[64];
+    float *y[64];
+    const float *x;
+    int rc;
+    if (!(x = get_buf(&bs, xo, T * C * 4, 0, "x"))) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long R;
+        PyObject *wspec, *bo, *yo;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(specs, i), "LOOO", &R, &wspec, &bo, &yo)) goto fail;
+        if (parse_qmat(&bs, wspec, R, C, &w[i], "w") < 0) goto fail;
+        bias[i] = NULL;
+        if (bo != Py_None && !(bias[i] = get_buf(&bs, bo, R * 4, 0, "bias"))) goto fail;
+        if (!(y[i] = get_buf(&bs, yo, T * R * 4, 1, "out"))) goto fail;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = mt_linears(isa, nthreads, x, T, (int)n, w, bias, y, q8);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+fail:
+    bufset_release(&bs);
+    return NULL;
+}
+
 static PyObject *py_ffn(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *xo, *gs, *us, *ds, *yo;
@@ -457,6 +499,9 @@ static PyObject *py_pool_park(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
      "linear(x, T, C, R, (dtype, data, scales, g), bias, out, isa, threads, int8_activations=False)"},
+    {"linears", py_linears, METH_VARARGS,
+     "linears(x, T, C, [(R, (dtype, data, scales, g), bias, out)], isa, threads, int8_activations=False): "
+     "several linears of one x in one job"},
     {"ffn", py_ffn, METH_VARARGS, "ffn(x, T, D, I, gate, up, down, out, isa, threads, int8_activations=False)"},
     {"experts", py_experts, METH_VARARGS,
      "experts(x, T, D, ids, K, out, [(e, I, gate, up, down)], isa, threads, int8_activations=False): "

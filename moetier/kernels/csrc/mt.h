@@ -74,7 +74,7 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 12
+#define MT_KERNELS_VERSION 13
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
@@ -295,6 +295,10 @@ float *mt_scratch(int slot, size_t floats);
 int64_t mt_rowbuf_len(const qmat *w);
 int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
               float *y);
+/* Several linears of the same x in one job (each w[i] with x's columns, n <= 64); q8: those
+ * inside the int8-activation contract under it. The bits of mt_linear (mt_linear_q8) on each. */
+int mt_linears(const mt_isa *isa, int nthreads, const float *x, int64_t T, int n, const qmat *w,
+               const float *const *bias, float *const *y, int q8);
 int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
            const qmat *down, float *y);
 /* Many experts, each y = down(silu(gate x) * up x) on its own rows (x [T, D], y [T, D]);

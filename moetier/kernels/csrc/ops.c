@@ -343,6 +343,42 @@ int mt_linear_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, con
     return rc;
 }
 
+/* Several linears of one input in one job (an attention layer's q, k and v): y[i][t, r] =
+ * dot(x[t], w[i][r], C) (+ bias[i][r]), the bits of mt_linear (or mt_linear_q8) on each. Every
+ * w[i] has C columns; n <= LINEAR_MAX_K. x [T, C]. Returns 0 or -1 (no memory). */
+int mt_linears(const mt_isa *isa, int nthreads, const float *x, int64_t T, int n, const qmat *w,
+               const float *const *bias, float *const *y, int q8) {
+    if (n < 1 || n > LINEAR_MAX_K) return -1;
+    if (!q8 && isa->linear_many && T >= isa->many_min) { /* the outer-product path: one by one */
+        for (int i = 0; i < n; i++)
+            if (mt_linear(isa, nthreads, x, T, &w[i], bias[i], y[i]) != 0) return -1;
+        return 0;
+    }
+    linear_ctx k[LINEAR_MAX_K];
+    q8ctx qk[LINEAR_MAX_K];
+    q8acts qa[LINEAR_MAX_K];
+    float *xp = NULL;
+    int rc = 0;
+    memset(qa, 0, sizeof(qa));
+    for (int i = 0; i < n && rc == 0; i++) {
+        const int q = q8 && q8_ok(&w[i]);
+        const int xw = !q && xp_wanted(isa, &w[i]);
+        if (xw && !xp && !(xp = xp_fill(isa, x, T, w[i].cols, 3))) rc = -1; /* the same columns: one order */
+        int from = -1; /* an earlier linear's quantization of x for this dtype */
+        for (int j = 0; j < i && q; j++)
+            if (qa[j].xq && w[j].dtype == w[i].dtype) from = j;
+        if (rc == 0 && q && from < 0 && q8_quantize(x, T, w[i].cols, w[i].dtype, &qa[i]) != 0) rc = -1;
+        k[i] = (linear_ctx){isa, x, T, mt_rowbuf_len(&w[i]), &w[i], bias[i], y[i], 0, xw ? xp : NULL, NULL};
+        if (rc == 0 && q) {
+            qk[i] = q8_ctx(&qa[from < 0 ? i : from], &w[i], bias[i], y[i]);
+            k[i].q8 = &qk[i];
+        }
+    }
+    if (rc == 0) rc = linears_run(nthreads, k, n);
+    for (int i = 0; i < n; i++) q8_free(&qa[i]);
+    return rc;
+}
+
 /* SwiGLU expert: y = down(silu(gate x) * up x). x [T, D], y [T, D]. */
 int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
            const qmat *down, float *y) {
