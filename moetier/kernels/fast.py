@@ -420,15 +420,8 @@ class FastOps:
     def linear(self, x: F32, w: QTensor, bias: F32 | None = None) -> F32:
         """x [T, C] @ w[R, C].T (+ bias [R]) -> [T, R]."""
         x = _f32(x, "x")
-        rows, cols, _ = _spec(w, "w")
-        if x.ndim != 2 or x.shape[1] != cols:
-            raise ValueError(f"linear: x {x.shape} does not fit w {w.shape} (want x [T, {cols}])")
-        if bias is not None:
-            bias = _f32(bias, "bias")
-            if bias.shape != (rows,):
-                raise ValueError(f"linear: bias {bias.shape} does not fit w {w.shape} (want [{rows}])")
-        out = np.empty((x.shape[0], rows), dtype=np.float32)
-        if x.shape[0] and rows:
+        bias, out = _linear_args(x, w, bias, "linear")
+        if x.shape[0] and out.shape[1]:
             self._k.linear(x, w, bias, out)
         return out
 
@@ -438,16 +431,7 @@ class FastOps:
         x = _f32(x, "x")
         if not isinstance(self._k, _CBackend) or not 1 <= len(ws) <= 64:
             return [self.linear(x, w, b) for w, b in ws]
-        todo: list[tuple[QTensor, F32 | None, F32]] = []
-        for w, bias in ws:
-            rows, cols, _ = _spec(w, "w")
-            if x.ndim != 2 or x.shape[1] != cols:
-                raise ValueError(f"linears: x {x.shape} does not fit w {w.shape} (want x [T, {cols}])")
-            if bias is not None:
-                bias = _f32(bias, "bias")
-                if bias.shape != (rows,):
-                    raise ValueError(f"linears: bias {bias.shape} does not fit w {w.shape} (want [{rows}])")
-            todo.append((w, bias, np.empty((x.shape[0], rows), dtype=np.float32)))
+        todo = [(w, *_linear_args(x, w, bias, "linears")) for w, bias in ws]
         if x.shape[0] and all(out.shape[1] for _, _, out in todo):
             self._k.linears(x, todo)
         elif x.shape[0]:
@@ -589,6 +573,18 @@ class FastOps:
         if plain:
             assert isinstance(self._k, _CBackend)
             self._k.experts(x, np.ascontiguousarray(ids, dtype=np.int64), out, plain)
+
+
+def _linear_args(x: F32, w: QTensor, bias: F32 | None, what: str) -> tuple[F32 | None, F32]:
+    """A linear's checked bias and its output [T, R] (empty), or ValueError naming the misfit."""
+    rows, cols, _ = _spec(w, "w")
+    if x.ndim != 2 or x.shape[1] != cols:
+        raise ValueError(f"{what}: x {x.shape} does not fit w {w.shape} (want x [T, {cols}])")
+    if bias is not None:
+        bias = _f32(bias, "bias")
+        if bias.shape != (rows,):
+            raise ValueError(f"{what}: bias {bias.shape} does not fit w {w.shape} (want [{rows}])")
+    return bias, np.empty((x.shape[0], rows), dtype=np.float32)
 
 
 def _probe_isa(ops: FastOps) -> int:

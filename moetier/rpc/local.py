@@ -19,7 +19,7 @@ answers the same: the lane changes the speed of a call, never its result.
     lane.close()
 
 A store whose RAM tier holds every expert shares them (LocalReady.shared: a memfd of the records,
-mapped read-only here as `SharedRecords`); its caller then computes those calls itself with the
+mapped read-only here as `SharedView`); its caller then computes those calls itself with the
 same kernels and reports them (LocalUsage), so the store still counts them.
 
 The server runs one thread per connection, which computes the calls of that connection itself
@@ -76,7 +76,7 @@ class SharedOffer:
     model_id: str
 
 
-class SharedRecords:
+class SharedView:
     """A store's shared records, mapped read-only by a caller: `record(layer, expert)` is the
     verified record's bytes (a view: valid while this object lives)."""
 
@@ -281,7 +281,7 @@ class LocalClient:
     sent from any thread meanwhile (a packet is sent whole)."""
 
     def __init__(self, sock: socket.socket, region: mmap.mmap, name: str,
-                 shared: SharedRecords | None = None) -> None:
+                 shared: SharedView | None = None) -> None:
         self.sock, self.region, self.name = sock, region, name
         self.shared = shared  # the store's records, where it shares them (LocalReady.shared)
         self.lock = threading.Lock()
@@ -322,7 +322,7 @@ class LocalClient:
                 if table.shape[1] != 4:
                     raise Unavailable(f"expert store lane {name}: shared experts table {list(table.shape)}, "
                                       "expected [N, 4]")
-                records = SharedRecords(mapping, table, sh.model_id)
+                records = SharedView(mapping, table, sh.model_id)
         except OSError as e:
             sock.close()
             raise Unavailable(f"expert store lane {name}: {e.strerror or e}") from None

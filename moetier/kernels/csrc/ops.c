@@ -331,25 +331,15 @@ static q8ctx q8_ctx(const q8acts *a, const qmat *w, const float *bias, float *y)
     return (q8ctx){a->xq, a->xs, a->xsum, a->xsT, a->corrT, a->T, a->nb, a->xstride, a->Tp, w, bias, y};
 }
 
-int mt_linear_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
-                 float *y) {
-    if (!q8_ok(w)) return mt_linear(isa, nthreads, x, T, w, bias, y); /* outside the contract: exact */
-    q8acts a;
-    if (q8_quantize(x, T, w->cols, w->dtype, &a) != 0) return -1;
-    const q8ctx qk = q8_ctx(&a, w, bias, y);
-    linear_ctx k = {isa, x, T, 0, w, bias, y, 0, NULL, &qk};
-    const int rc = linears_run(nthreads, &k, 1);
-    q8_free(&a);
-    return rc;
-}
-
 /* Several linears of one input in one job (an attention layer's q, k and v): y[i][t, r] =
  * dot(x[t], w[i][r], C) (+ bias[i][r]), the bits of mt_linear (or mt_linear_q8) on each. Every
  * w[i] has C columns; n <= LINEAR_MAX_K. x [T, C]. Returns 0 or -1 (no memory). */
 int mt_linears(const mt_isa *isa, int nthreads, const float *x, int64_t T, int n, const qmat *w,
                const float *const *bias, float *const *y, int q8) {
     if (n < 1 || n > LINEAR_MAX_K) return -1;
-    if (!q8 && isa->linear_many && T >= isa->many_min) { /* the outer-product path: one by one */
+    int any_q8 = 0;
+    for (int i = 0; i < n; i++) any_q8 |= q8 && q8_ok(&w[i]);
+    if (!any_q8 && isa->linear_many && T >= isa->many_min) { /* the outer-product path: one by one */
         for (int i = 0; i < n; i++)
             if (mt_linear(isa, nthreads, x, T, &w[i], bias[i], y[i]) != 0) return -1;
         return 0;
@@ -377,6 +367,12 @@ int mt_linears(const mt_isa *isa, int nthreads, const float *x, int64_t T, int n
     if (rc == 0) rc = linears_run(nthreads, k, n);
     for (int i = 0; i < n; i++) q8_free(&qa[i]);
     return rc;
+}
+
+/* One linear under the int8-activation contract (weights outside it: exact, as mt_linear). */
+int mt_linear_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *w, const float *bias,
+                 float *y) {
+    return mt_linears(isa, nthreads, x, T, 1, w, &bias, &y, 1);
 }
 
 /* SwiGLU expert: y = down(silu(gate x) * up x). x [T, D], y [T, D]. */
