@@ -74,7 +74,7 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 13
+#define MT_KERNELS_VERSION 14
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
@@ -169,6 +169,9 @@ typedef struct mt_isa {
     int (*supported)(void);
     /* output rows [r0, r0 + RB) (clipped to R) of every token */
     void (*linear_block)(const linear_ctx *k, int64_t r0, float *buf);
+    /* optional: rows [r0, r0 + 2 * RB) at once, where the ISA does them faster than block by
+     * block (one token: more independent accumulators); 1 where done, 0 where not its case */
+    int (*linear_pair)(const linear_ctx *k, int64_t r0);
     /* optional: the whole linear for T >= many_min tokens (its own split into chunks);
      * returns 0 or -1 (no memory) */
     int (*linear_many)(int nthreads, const float *x, int64_t T, const qmat *w, const float *bias, float *y);

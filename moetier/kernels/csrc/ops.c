@@ -164,7 +164,14 @@ static void linear_chunk(void *ctx, int64_t chunk) {
             for (int64_t o = 0; o < nb * RB * w->ngroups * 2; o += 64) __builtin_prefetch(sc + o, 0, 3);
         }
     }
-    for (int64_t b = b0; b < b1; b++) k->isa->linear_block(k, b * RB, buf);
+    for (int64_t b = b0; b < b1;) {
+        if (b + 1 < b1 && k->isa->linear_pair && k->isa->linear_pair(k, b * RB)) {
+            b += 2;
+            continue;
+        }
+        k->isa->linear_block(k, b * RB, buf);
+        b++;
+    }
 }
 
 /* Whether the ISA's int4 kernels read x's columns in an order of their own for w (linear_ctx.xp). */

@@ -346,63 +346,64 @@ static void fused(int tb, const float *const *xr, const qmat *w, const int64_t *
  * chunk of a row is dequantized in registers once and used by every token of the tile (24
  * accumulators at NT = 6). */
 MT_AVX512 static inline __attribute__((always_inline)) void
-halves_tb(const int nt, const qmat *w, const int64_t *rows, const float *const *xh, float out[BMK_TOK][RB]) {
+halves_tb(const int nt, const int NR, const qmat *w, const int64_t *rows, const float *const *xh,
+          float out[BMK_TOK][2 * RB]) {
     const int64_t C = w->cols, g = w->g, rb = w->row_bytes, ng = w->ngroups;
     const int64_t pfd = MT_PREFETCH_BLOCKS * RB * rb;
-    const uint8_t *rp[RB];
-    const uint16_t *sp[RB];
-    for (int i = 0; i < RB; i++) {
+    const uint8_t *rp[2 * RB];
+    const uint16_t *sp[2 * RB];
+    for (int i = 0; i < NR; i++) {
         rp[i] = w->data + rows[i] * rb;
         sp[i] = w->scales + rows[i] * ng;
     }
     const __m512 nib = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
-    __m512 acc[BMK_TOK][RB];
+    __m512 acc[BMK_TOK][2 * RB];
     for (int j = 0; j < nt; j++)
-        for (int i = 0; i < RB; i++) acc[j][i] = _mm512_setzero_ps();
+        for (int i = 0; i < NR; i++) acc[j][i] = _mm512_setzero_ps();
     /* The block MT_PREFETCH_BLOCKS ahead is fetched as one sequential stream, a few lines per
      * group (the RB rows of a block are contiguous), and its scales a line per group: one
      * sequential stream instead of a line of each row per group (measured: 4.6 MB experts from
      * memory, 2 threads, Zen 4: 17.0-17.3 -> 19.2-20.3 GB/s best, with the chunk prologue). */
-    const int64_t per = mt_prefetch_step(RB * rb, ng);
+    const int64_t per = mt_prefetch_step(NR * rb, ng);
     const char *pf = (const char *)rp[0] + pfd, *spf = (const char *)(sp[0] + MT_PREFETCH_BLOCKS * RB * ng);
     /* the scales of sixteen groups of each row, converted at once (in cache, one thread, Zen 4:
      * 13.1 -> 15.4 GB/s against one scalar conversion per group) */
-    float sc[RB][16] __attribute__((aligned(64)));
+    float sc[2 * RB][16] __attribute__((aligned(64)));
     for (int64_t c0 = 0, gi = 0; c0 < C; c0 += g, gi++) {
-        __m512 tab[RB];
+        __m512 tab[2 * RB];
         for (int64_t o = gi * per; o < (gi + 1) * per; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
-        if (gi * 64 < RB * ng * 2) _mm_prefetch(spf + gi * 64, _MM_HINT_T0);
+        if (gi * 64 < NR * ng * 2) _mm_prefetch(spf + gi * 64, _MM_HINT_T0);
         if ((gi & 15) == 0)
-            for (int i = 0; i < RB; i++) {
+            for (int i = 0; i < NR; i++) {
                 if (ng - gi >= 16)
                     _mm512_store_ps(sc[i], _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sp[i] + gi))));
                 else
                     for (int64_t j = 0; j < ng - gi; j++) sc[i][j] = _cvtsh_ss(sp[i][gi + j]);
             }
-        for (int i = 0; i < RB; i++) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(sc[i][gi & 15]));
+        for (int i = 0; i < NR; i++) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(sc[i][gi & 15]));
         for (int64_t c = c0; c < c0 + g; c += 16) {
-            __m512 wv[RB];
-            for (int i = 0; i < RB; i++) {
+            __m512 wv[2 * RB];
+            for (int i = 0; i < NR; i++) {
                 int64_t q;
-                memcpy(&q, rp[i] + c / 2, 8);
+                memcpy(&q, rp[i] + (c >> 1), 8); /* c >= 0: no signed division */
                 wv[i] = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(q), sh), tab[i]);
             }
             for (int j = 0; j < nt; j++) {
                 const __m512 xv = _mm512_loadu_ps(xh[j] + c);
-                for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+                for (int i = 0; i < NR; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
             }
         }
     }
     const __m512i back = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     for (int j = 0; j < nt; j++)
-        for (int i = 0; i < RB; i++) out[j][i] = hsum16_avx512(_mm512_permutexvar_ps(back, acc[j][i]));
+        for (int i = 0; i < NR; i++) out[j][i] = hsum16_avx512(_mm512_permutexvar_ps(back, acc[j][i]));
 }
 
 #define HALVES_TB(NT)                                                                                    \
     MT_AVX512 static void halves_##NT(const qmat *w, const int64_t *rows, const float *const *xh,      \
-                                      float out[BMK_TOK][RB]) {                                        \
-        halves_tb(NT, w, rows, xh, out);                                                               \
+                                      float out[BMK_TOK][2 * RB]) {                                    \
+        halves_tb(NT, RB, w, rows, xh, out);                                                           \
     }
 HALVES_TB(1)
 HALVES_TB(2)
@@ -410,6 +411,14 @@ HALVES_TB(3)
 HALVES_TB(4)
 HALVES_TB(5)
 HALVES_TB(6)
+
+/* One token, two blocks (2 * RB rows) at once: twice the independent fma chains (each row's
+ * accumulator is one chain, so RB rows leave the fma latency exposed at one token). The same
+ * operations per row as halves_1: same bits. */
+MT_AVX512 static void halves_1x2b(const qmat *w, const int64_t *rows, const float *const *xh,
+                                  float out[BMK_TOK][2 * RB]) {
+    halves_tb(1, 2 * RB, w, rows, xh, out);
+}
 
 /* ---------------------------------------------------------------- batched: many tokens
  * For T > TBMAX a block of RB rows is dequantized once (row_values_avx512), then
@@ -553,7 +562,7 @@ static void linear_block_avx512(const linear_ctx *k, int64_t r0, float *buf) {
             const int tb = (int)((T - t0) / (ntiles - tile) + ((T - t0) % (ntiles - tile) != 0));
             const float *xh[BMK_TOK];
             for (int j = 0; j < BMK_TOK; j++) xh[j] = k->xp + (t0 + (j < tb ? j : 0)) * C;
-            float res[BMK_TOK][RB];
+            float res[BMK_TOK][2 * RB];
             switch (tb) {
             case 1: halves_1(w, rows, xh, res); break;
             case 2: halves_2(w, rows, xh, res); break;
@@ -590,6 +599,20 @@ static void linear_block_avx512(const linear_ctx *k, int64_t r0, float *buf) {
     fused((int)T, xr, w, rows, res);
     for (int j = 0; j < T; j++)
         for (int i = 0; i < nr; i++) k->y[j * R + r0 + i] = k->bias ? res[j][i] + k->bias[r0 + i] : res[j][i];
+}
+
+/* Blocks r0 / RB and r0 / RB + 1 of one token of int4 weights in halves order (linear_ctx.xp),
+ * both whole: 1 where done, 0 where this is not that case (the caller runs them one by one). */
+static int linear_pair_avx512(const linear_ctx *k, int64_t r0) {
+    const qmat *w = k->w;
+    if (!k->xp || k->T != 1 || r0 + 2 * RB > w->rows) return 0;
+    int64_t rows[2 * RB];
+    for (int i = 0; i < 2 * RB; i++) rows[i] = r0 + i;
+    const float *xh[BMK_TOK] = {k->xp};
+    float res[BMK_TOK][2 * RB];
+    halves_1x2b(w, rows, xh, res);
+    for (int i = 0; i < 2 * RB; i++) k->y[r0 + i] = k->bias ? res[0][i] + k->bias[r0 + i] : res[0][i];
+    return 1;
 }
 
 MT_AVX512 static double fma_probe_avx512(int64_t n, float seed) {
@@ -644,6 +667,7 @@ const mt_isa mt_isa_avx512 = {
     .name = "avx512",
     .supported = cpu_avx512,
     .linear_block = linear_block_avx512,
+    .linear_pair = linear_pair_avx512,
     .xp_order = MT_XP_HALVES16,
     .q8_rows = q8_rows_avx512,
     .tile = tile_avx512,
