@@ -80,6 +80,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from moetier.background import lower_priority
 from moetier.errors import FormatError
 from moetier.model.config import ModelArgs
 from moetier.model.kv_cache import KVCache, cache_extra, cache_layout, cache_state, cache_windows, state_key
@@ -206,7 +207,9 @@ class PrefixCache:
         self._index: dict[int, set[int]] = {}  # block hash -> keys of the entries holding that block prefix
         self._first: dict[int, set[int]] = {}  # first token id -> keys of the entries starting with it
         self._stats = PrefixStats()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-cache-writer")
+        # the writer yields the CPU to the step (moetier.background)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-cache-writer",
+                                          initializer=lower_priority)
         self._tmp = count()
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)

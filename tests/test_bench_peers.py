@@ -276,16 +276,19 @@ def test_client_counts_tokens_and_reads_the_counters(tiny: Path, tmp_path: Path)
     s = MoetierInProcess(label="engine", kind="moetier", work=tmp_path, model=tiny)
     s.start(None, sorted(os.sched_getaffinity(0)))
     try:
-        calls: list[float] = []
+        calls: list[tuple[float, bool]] = []
 
-        def counters() -> Counters:
-            calls.append(time.perf_counter())
-            return Counters(calls[-1], 0.5 * len(calls), 100 * len(calls))
+        def counters(disk: bool) -> Counters:
+            calls.append((time.perf_counter(), disk))
+            return Counters(calls[-1][0], 0.5 * len(calls), 100 * len(calls) if disk else 0)
 
         t = complete(s.url, s.model_name, "The expert store", 6, counters, usage=True)
         assert t.tokens == len(t.chunks) == t.usage_tokens and 1 <= t.tokens <= 6
         assert len(calls) == t.tokens + 2  # start, each step chunk, end
+        # the disk bytes only at the start and the end (over the whole request)
+        assert [d for _, d in calls] == [True] + [False] * t.tokens + [True]
         assert t.read_bytes == 100 * (len(calls) - 1)
+        assert t.decode_wall_s == calls[-2][0] - calls[1][0]
         assert t.ttft_s > 0 and t.text == _greedy_text(tiny, "The expert store", 6)
     finally:
         s.stop()
@@ -317,7 +320,7 @@ def _sse_server(chunks: list[dict[str, object]]) -> tuple[str, Callable[[], None
 def test_client_times_a_token_without_text_by_its_finish() -> None:
     """A 1-token completion whose token is part of a character streams no text: its TTFT is
     the finishing chunk's arrival; a stream with no choice at all is still an error."""
-    def counters() -> Counters:
+    def counters(disk: bool) -> Counters:
         return Counters(time.perf_counter(), 0.0, 0)
 
     url, stop = _sse_server([{"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}])
@@ -339,7 +342,7 @@ def test_client_counts_steps_whose_text_is_held_back() -> None:
     """llama.cpp streams a chunk per generated step, with empty text while bytes of a character
     are held back, then a finish-only chunk: every step is a token, the finish is not; a
     server's larger usage count (several tokens per step) wins."""
-    def counters() -> Counters:
+    def counters(disk: bool) -> Counters:
         return Counters(time.perf_counter(), 0.0, 0)
 
     step = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}
@@ -430,8 +433,8 @@ def test_llama_cpp_serves_the_same_greedy_text_as_moetier(tmp_path: Path) -> Non
         assert s.baseline()["llama.cpp"] > 0
         prompt = "The expert store reads"
 
-        def counters() -> Counters:
-            return Counters(time.perf_counter(), s.sandbox.cpu_seconds(), s.sandbox.read_bytes())
+        def counters(disk: bool) -> Counters:
+            return Counters(time.perf_counter(), s.sandbox.cpu_seconds(), s.sandbox.read_bytes() if disk else 0)
 
         t = complete(s.url, s.model_name, prompt, 12, counters, usage=False)
     finally:

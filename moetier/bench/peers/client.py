@@ -62,9 +62,12 @@ class Timed:
         return self.decode_cpu_s / self.decode_wall_s if self.decode_wall_s > 0 else None
 
 
-def complete(url: str, model: str, prompt: str, max_tokens: int, counters: Callable[[], Counters],
+def complete(url: str, model: str, prompt: str, max_tokens: int, counters: Callable[[bool], Counters],
              *, usage: bool, timeout_s: float = 3600.0) -> Timed:
-    """One greedy streamed completion; `counters()` is read at start, first and last token."""
+    """One greedy streamed completion; `counters(disk)` is read at the start and the end, and at
+    every step chunk without the disk bytes (`disk` False: 0), which are only needed over the
+    whole request -- reading them there cost the system CPU time per token, and more for a
+    system of more processes."""
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                             "stream": True}
     if usage:
@@ -75,7 +78,7 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, counters: Calla
     last: Counters | None = None
     finished: Counters | None = None  # the chunk with the finish_reason
     usage_tokens: int | None = None
-    start = counters()
+    start = counters(True)
     with httpx.Client(timeout=timeout_s) as client, client.stream("POST", f"{url}/v1/completions",
                                                                    json=body) as r:
         if r.status_code != 200:
@@ -91,7 +94,7 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, counters: Calla
                 text = choice.get("text") or ""
                 finish = choice.get("finish_reason")
                 if text or not finish:  # a step (a finish-only chunk is not)
-                    now = counters()
+                    now = counters(False)
                     if first is None:
                         first = now
                     last = now
@@ -100,8 +103,8 @@ def complete(url: str, model: str, prompt: str, max_tokens: int, counters: Calla
                 if finish:
                     out.finish_reason = finish
                     if first is None and finished is None:
-                        finished = counters()
-    end = counters()
+                        finished = counters(False)
+    end = counters(True)
     if first is None and finished is not None:  # a token without text: timed by its finish
         first = last = finished
         out.chunks.append(finished.t)

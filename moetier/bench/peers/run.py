@@ -80,8 +80,8 @@ def _trial_env(row: Row, ra: ReadAhead | None) -> Iterator[None]:
 def _request(system: System, prompt: str, max_tokens: int) -> Timed:
     sb = system.sandbox
 
-    def counters() -> Counters:
-        return Counters(time.perf_counter(), sb.cpu_seconds(), sb.read_bytes())
+    def counters(disk: bool = True) -> Counters:
+        return Counters(time.perf_counter(), sb.cpu_seconds(), sb.read_bytes() if disk else 0)
 
     return complete(system.url, system.model_name, prompt, max_tokens, counters, usage=system.usage)
 
