@@ -26,7 +26,13 @@ expert index, model shape); a file of another identity is ignored.
 Memory and disk share one budget (`budget_bytes`): at most that many bytes of entries in
 memory, and as many in files; the least recently used go first. A new entry is written
 to disk by a background thread (never on the step's critical path); a file that is torn,
-truncated or fails its checksum is logged, removed and never used.
+truncated or fails its checksum is logged, removed and never used. The writer runs at the
+lowest CPU priority (moetier.background), and where the owner says when it is stepping
+(`stepping(True/False)`, as the dense worker's batcher does) it writes array by array in moments
+when nothing is stepped, for at most WRITE_DEFER_S: writing a 1k-token request's KV (256 MiB for OLMoE) copies
+it into the page cache, and on 2 cores that copy slowed the decode of the next request from
+46 to 41 tok/s even at the lowest priority (the kernels' threads leave cores idle between
+their jobs, and the writer's copy takes memory bandwidth from them).
 
 File format (one file per entry, `<entry key, 16 hex digits>.kv`; the key is the entry's
 last block hash when it holds whole blocks, else that hash chained with the remaining
@@ -89,6 +95,7 @@ from moetier.prefix import BLOCK, block_hashes
 log = logging.getLogger(__name__)
 
 MAGIC = b"MTPFXKV1"
+WRITE_DEFER_S = 30.0  # the longest a disk write waits for a moment when nothing is stepped
 FORMAT = "moetier-prefix-kv"
 VERSION = 2
 READABLE = (1, 2)  # version 1: the same layout, whole blocks only
@@ -211,6 +218,8 @@ class PrefixCache:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefix-cache-writer",
                                           initializer=lower_priority)
         self._tmp = count()
+        self._quiet = threading.Event()  # nothing is being stepped (see `stepping`)
+        self._quiet.set()
         if directory is not None:
             directory.mkdir(parents=True, exist_ok=True)
             self._scan()
@@ -370,8 +379,17 @@ class PrefixCache:
                                s.query_tokens, s.hit_tokens, s.inserts, s.evictions, s.files_written,
                                s.files_rejected, s.write_errors, dict(s.by_source))
 
+    def stepping(self, busy: bool) -> None:
+        """The owner is stepping sequences (True) or idle (False): disk writes wait for an idle
+        moment, at most WRITE_DEFER_S (see the module docstring)."""
+        if busy:
+            self._quiet.clear()
+        else:
+            self._quiet.set()
+
     def flush(self, timeout: float | None = None) -> None:
-        """Wait for the disk writes queued so far."""
+        """Wait for the disk writes queued so far (at once: they no longer wait for a quiet moment)."""
+        self._quiet.set()
         with self._lock:
             pending = [e.writing for e in self._entries.values() if e.writing is not None]
         for f in pending:
@@ -465,6 +483,8 @@ class PrefixCache:
 
     def _write(self, entry: _Entry) -> None:
         assert self.directory is not None
+        deadline = time.monotonic() + WRITE_DEFER_S
+        self._quiet.wait(WRITE_DEFER_S)
         arrays = entry.arrays
         if arrays is None:
             return  # dropped before its turn
@@ -480,16 +500,18 @@ class PrefixCache:
             pieces.append(memoryview(a.view(np.uint8).reshape(-1)))  # type: ignore[arg-type]
             pos = offset + a.nbytes
         pieces.append(bytes(plen - pos))
-        for piece in pieces:
-            h.update(piece)
         final = self._path(entry.key)
         tmp = self.directory / f".{final.name}.{os.getpid()}.{next(self._tmp)}.tmp"
         try:
             with open(tmp, "wb") as f:
-                f.write(_PRE.pack(MAGIC, len(header), plen, h.intdigest()))
+                f.write(_PRE.pack(MAGIC, len(header), plen, 0))  # the checksum once the payload is written
                 f.write(header)
-                for piece in pieces:
+                for piece in pieces:  # array by array, each in a quiet moment (until the deadline)
+                    self._quiet.wait(max(0.0, deadline - time.monotonic()))
+                    h.update(piece)
                     f.write(piece)
+                f.seek(0)
+                f.write(_PRE.pack(MAGIC, len(header), plen, h.intdigest()))
                 f.flush()
                 os.fsync(f.fileno())
             with self._lock:

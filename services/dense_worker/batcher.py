@@ -274,9 +274,13 @@ class Batcher:
             self._admit()
             self._update_kv()
             if not self._running:
+                if self.prefix is not None:
+                    self.prefix.stepping(False)  # its disk writes may run now
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self.prefix is not None:
+                self.prefix.stepping(True)
             batch = list(self._running)
             result = await loop.run_in_executor(self._thread, self._step, batch)
             self._deliver(result)
