@@ -195,6 +195,33 @@ def test_kv_capacity_grows_by_a_quarter_and_keeps_every_position(checkpoints: di
     assert list(c.tokens) == list(range(c.length))
 
 
+def test_kv_cache_grows_by_doubling_up_to_what_the_sequence_is_expected_to_reach(
+        checkpoints: dict[str, Checkpoint]) -> None:
+    """With `expect(n)` the arrays double while the need is within n (fewer copies), never past
+    n (rounded to whole blocks), and beyond n grow a quarter at a time again; the values are
+    those written, bit for bit."""
+    args = model_of(checkpoints["mixtral"]).args
+    c = KVCache.for_model(args)
+    c.expect(200)
+    rng = np.random.default_rng(6)
+    caps, written = [], []
+    for n in (30, 3, 40, 60, 66, 1, 40):
+        start = c.reserve(n)
+        for i in range(args.num_layers):
+            for name, shape in c.layer_layout(i).items():
+                v = rng.standard_normal((n, *shape), dtype=np.float32)
+                c.put(i, name, start, v)
+                if i == 0 and name == "k":
+                    written.append(v)
+        c.commit(list(range(start, start + n)))
+        caps.append(c.capacity)
+    # 30 -> 32; 33 -> 64 (doubled, where a quarter more was 48); 73 -> 128; 133 -> 208 (not
+    # 256: the expected 200 in whole blocks); 199 and 200 fit; 240 is past the expectation:
+    # a quarter more (260 -> 272)
+    assert caps == [32, 64, 128, 208, 208, 208, 272], caps
+    np.testing.assert_array_equal(c.to_arrays()["layers.0.k"], np.concatenate(written))
+
+
 def test_prefetch_hints_are_measured_and_change_nothing(checkpoints: dict[str, Checkpoint]) -> None:
     on = model_of(checkpoints["deepseek_v3"])
     off = model_of(checkpoints["deepseek_v3"], predict_experts=False)

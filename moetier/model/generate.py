@@ -59,6 +59,7 @@ def generate(model: Model, prompt: Sequence[int] | npt.NDArray[np.integer], para
     if params.max_tokens == 0:
         return
     cache = cache if cache is not None else model.new_cache()
+    cache.expect(max(cache.expected, cache.length + len(prompt) + params.max_tokens))  # the most it may reach
     sampler = Sampler(params, model.args.vocab_size, model.args.eos_token_ids)
     logits = prefill(model, cache, prompt, chunk_size)
     while True:

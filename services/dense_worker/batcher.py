@@ -377,6 +377,8 @@ class Batcher:
                 log.exception("prefix cache lookup failed; prefilling the whole prompt")
                 cache, n = None, 0
         seq.cache = cache if cache is not None else self.model.new_cache()
+        # the most positions it may reach: its arrays grow towards that in fewer copies
+        seq.cache.expect(min(len(prompt) + seq.request.params.max_tokens, self.limits.max_seq_len))
         # a fixed-size state is saved where the same prompt resumes (moetier/prefix_cache.py)
         seq.cache.save_at.add(len(prompt) - 1)
         seq.fed = seq.cached = n
