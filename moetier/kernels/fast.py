@@ -287,13 +287,10 @@ class _CBackend:
         self.mod.glu_clamped(hg, hu, hg.size, w.act.alpha, w.act.limit)
         self.linear(hg, w.down, w.down_bias, out)
 
-    def experts(self, x: F32, ids: npt.NDArray[np.int64], out: F32,
-                listed: list[tuple[int, ExpertWeights]]) -> None:
-        """out[t, k] = FFN_e(x[t]) where ids[t, k] = e, for the listed plain experts, in one
-        call (their few rows each share the pool's jobs)."""
+    def experts(self, x: F32, ids: npt.NDArray[np.int64], out: F32, specs: list[tuple[Any, ...]]) -> None:
+        """out[t, k] = FFN_e(x[t]) where ids[t, k] = e, for the listed plain experts (their
+        `_expert_spec`s), in one call (their few rows each share the pool's jobs)."""
         t, d = x.shape
-        specs = [(e, w.gate.shape[0], _spec(w.gate, "gate")[2], _spec(w.up, "up")[2], _spec(w.down, "down")[2])
-                 for e, w in listed]
         self.mod.experts(x, t, d, ids, ids.shape[1], out, specs, self.isa, self.threads, self.int8)
 
     def rmsnorm(self, x: F32, weight: F32, eps: float, out: F32) -> None:
@@ -307,6 +304,23 @@ class _CBackend:
         t, h, dq = q.shape
         s, hkv, dv = v.shape
         self.mod.attention(q, k, v, q_pos, t, h, s, hkv, dq, dv, scale, out, self.isa, self.threads, sinks, window)
+
+
+_EXPERT_SPEC = "_fastops_expert"  # where an ExpertWeights keeps its checked kernel spec (see _expert_spec)
+
+
+def _expert_spec(w: ExpertWeights, e: int, d: int) -> tuple[Any, ...]:
+    """(e, I, gate, up and down kernel specs) of an expert checked for x [T, d]; checked once
+    per expert and width (a decode step passes every expert of a layer each time), kept where
+    each of its tensors kept its own spec (see _spec)."""
+    got = w.__dict__.get(_EXPERT_SPEC)
+    if got is not None and got[0] == d:
+        return (e, *got[1])
+    i = _check_expert(w, e, d)
+    spec = (i, _spec(w.gate, "gate")[2], _spec(w.up, "up")[2], _spec(w.down, "down")[2])
+    if all(_SPEC in t.__dict__ for t in (w.gate, w.up, w.down)):
+        w.__dict__[_EXPERT_SPEC] = (d, spec)
+    return (e, *spec)
 
 
 def _plain(w: ExpertWeights) -> bool:
@@ -556,15 +570,16 @@ class FastOps:
         k = ids.shape[1]
         ys = out.reshape(t * k, d)  # a view: row t*K + j = slot j of row t
         flat = ids.reshape(-1)
-        plain: list[tuple[int, ExpertWeights]] = []
-        for e in np.unique(flat).tolist():
+        plain: list[tuple[Any, ...]] = []
+        c_backend = isinstance(self._k, _CBackend)
+        for e in (sorted(set(flat.tolist())) if len(flat) <= 16 else np.unique(flat).tolist()):
             w = experts.get(e)
             if w is None:
                 continue
-            _check_expert(w, e, d)
-            if isinstance(self._k, _CBackend) and _plain(w):
-                plain.append((e, w))
+            if c_backend and _plain(w):
+                plain.append(_expert_spec(w, e, d))
                 continue
+            _check_expert(w, e, d)
             slots = np.flatnonzero(flat == e)  # flat (row, slot) positions, rows ascending
             xe = np.ascontiguousarray(x[slots // k])  # [n, D]
             ye = np.empty_like(xe)

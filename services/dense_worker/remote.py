@@ -335,8 +335,14 @@ class RemoteExperts:
             return None
         t0 = time.perf_counter()
         ids = np.ascontiguousarray(ids, dtype=np.int32)
-        union_a, slots_a = np.unique(ids[ids >= 0] if slot_outputs else ids, return_counts=True)
-        union = union_a.tolist()
+        routed = ids[ids >= 0] if slot_outputs else ids
+        if routed.size <= 16:  # a decode step's few slots: plain Python is quicker than np.unique
+            flat = routed.reshape(-1).tolist()
+            union = sorted(set(flat))
+            counts = [flat.count(e) for e in union]
+        else:
+            union_a, counts_a = np.unique(routed, return_counts=True)
+            union, counts = union_a.tolist(), counts_a.tolist()
         experts = {}
         for e in union:
             w = self._weights.get((layer, e))
@@ -355,7 +361,7 @@ class RemoteExperts:
         self.stats.shared_calls += 1
         self.stats.rows += len(x)
         self.stats.store_hits += len(experts)
-        self._usage.add(layer, union, slots_a.tolist(), len(x))
+        self._usage.add(layer, union, counts, len(x))
         return y
 
     def flush_usage(self, force: bool = False) -> None:
