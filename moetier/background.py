@@ -8,7 +8,9 @@ the system has it; else the lowest nice value, 19): they run only on a core noth
 and give it up the moment a thread of the step does. At nice 19 alone, the writer of a 1k-token
 request's KV still took about a tenth of the CPU samples of the next request's decode on
 `moetier up` (2 cores, olmoe-1b-7b): the kernels' helper threads yield while they wait for work,
-and a yield hands the core to any runnable thread, however low its priority.
+and a yield hands the core to any runnable thread, however low its priority. Even in the idle
+class the writer's copy still took memory bandwidth from the kernels, so the prefix cache also
+holds its writes back while the dense worker steps (`PrefixCache.stepping`).
 
 A background thread that holds the GIL while the step thread waits for it does not hold up the
 step for long: the waiting thread leaves its core idle, and the background thread runs there.
