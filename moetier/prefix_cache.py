@@ -29,7 +29,9 @@ to disk by a background thread (never on the step's critical path); a file that 
 truncated or fails its checksum is logged, removed and never used. The writer runs at the
 lowest CPU priority (moetier.background), and where the owner says when it is stepping
 (`stepping(True/False)`, as the dense worker's batcher does) it writes array by array in moments
-when nothing is stepped, for at most WRITE_DEFER_S: writing a 1k-token request's KV (256 MiB for OLMoE) copies
+when nothing is stepped, for at most WRITE_DEFER_S, and only while the entries held in memory fit
+the memory budget (an entry that must leave memory is written at once: under a memory cap, holding
+a 1k-token KV back got the dense worker OOM-killed): writing a 1k-token request's KV (256 MiB for OLMoE) copies
 it into the page cache, and on 2 cores that copy slowed the decode of the next request from
 46 to 41 tok/s even at the lowest priority (the kernels' threads leave cores idle between
 their jobs, and the writer's copy takes memory bandwidth from them).
@@ -483,8 +485,10 @@ class PrefixCache:
 
     def _write(self, entry: _Entry) -> None:
         assert self.directory is not None
-        deadline = time.monotonic() + WRITE_DEFER_S
-        self._quiet.wait(WRITE_DEFER_S)
+        with self._lock:  # waiting keeps the entry in memory: only within the memory budget
+            held = sum(e.nbytes for e in self._entries.values() if e.arrays is not None)
+        deadline = time.monotonic() + (WRITE_DEFER_S if held <= self.memory_budget else 0.0)
+        self._quiet.wait(max(0.0, deadline - time.monotonic()))
         arrays = entry.arrays
         if arrays is None:
             return  # dropped before its turn

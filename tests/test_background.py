@@ -78,3 +78,20 @@ def test_the_prefix_cache_writes_when_nothing_is_stepped(tmp_path: Path) -> None
         assert len(list(tmp_path.glob("*.kv"))) == 2
     finally:
         cache.close()
+
+
+def test_an_entry_beyond_the_memory_budget_is_written_while_stepping(tmp_path: Path) -> None:
+    """Waiting would hold it in memory past the budget (under a memory cap: an OOM kill), so it
+    is written at once; once on disk it leaves memory."""
+    args = preset_args("tiny-qwen3_moe")
+    kv = _kv(args, 40, 3)
+    cache = PrefixCache(args, "model", "identity", tmp_path, 1 << 24, memory_bytes=kv.nbytes // 2)
+    try:
+        cache.stepping(True)
+        assert cache.insert(kv) == 40
+        deadline = time.monotonic() + 10  # a deferred write would wait WRITE_DEFER_S (30 s)
+        while not list(tmp_path.glob("*.kv")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(list(tmp_path.glob("*.kv"))) == 1
+    finally:
+        cache.close()
