@@ -222,7 +222,6 @@ class Engine:
             return Generation(self._tokens(ids, params, None, chunk_size), len(ids), 0)
         cache, n = self.prefix.lookup(ids)
         cache = cache if cache is not None else self.model.new_cache()
-        cache.expect(len(ids) + params.max_tokens)  # the most positions it may reach
         cache.save_at.add(len(ids) - 1)  # a fixed-size state is saved where the same prompt resumes
         return Generation(self._remembered(cache, self._tokens(ids[n:], params, cache, chunk_size)), len(ids), n)
 

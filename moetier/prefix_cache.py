@@ -29,12 +29,12 @@ to disk by a background thread (never on the step's critical path); a file that 
 truncated or fails its checksum is logged, removed and never used. The writer runs at the
 lowest CPU priority (moetier.background), and where the owner says when it is stepping
 (`stepping(True/False)`, as the dense worker's batcher does) it writes array by array in moments
-when nothing is stepped, for at most WRITE_DEFER_S, and only while the entries held in memory fit
-the memory budget (an entry that must leave memory is written at once: under a memory cap, holding
-a 1k-token KV back got the dense worker OOM-killed): writing a 1k-token request's KV (256 MiB for OLMoE) copies
-it into the page cache, and on 2 cores that copy slowed the decode of the next request from
-46 to 41 tok/s even at the lowest priority (the kernels' threads leave cores idle between
-their jobs, and the writer's copy takes memory bandwidth from them).
+when nothing is stepped, for at most WRITE_DEFER_S. Writing a 1k-token request's KV (256 MiB
+for OLMoE) copies it into the page cache, and on 2 cores that copy slowed the decode of the next
+request from 46 to 41 tok/s even at the lowest priority (the kernels' threads leave cores idle
+between their jobs, and the copy takes memory bandwidth from them). It waits only while the
+entries held in memory fit the memory budget: an entry that must leave memory is written at
+once (held back under a memory cap, a 1k-token KV got the dense worker OOM-killed).
 
 File format (one file per entry, `<entry key, 16 hex digits>.kv`; the key is the entry's
 last block hash when it holds whole blocks, else that hash chained with the remaining
@@ -383,7 +383,8 @@ class PrefixCache:
 
     def stepping(self, busy: bool) -> None:
         """The owner is stepping sequences (True) or idle (False): disk writes wait for an idle
-        moment, at most WRITE_DEFER_S (see the module docstring)."""
+        moment, at most WRITE_DEFER_S, while the entries held in memory fit its budget (see the
+        module docstring)."""
         if busy:
             self._quiet.clear()
         else:
@@ -432,8 +433,12 @@ class PrefixCache:
         entry.on_disk = False
         log.debug("prefix cache: %s entry %016x (%d tokens)", why, entry.key, entry.tokens)
 
+    def _held_bytes(self) -> int:
+        """Bytes of the entries held in memory."""
+        return sum(e.nbytes for e in self._entries.values() if e.arrays is not None)
+
     def _trim_memory(self) -> None:
-        held = sum(e.nbytes for e in self._entries.values() if e.arrays is not None)
+        held = self._held_bytes()
         for e in list(self._entries.values()):
             if held <= self.memory_budget:
                 break
@@ -486,7 +491,7 @@ class PrefixCache:
     def _write(self, entry: _Entry) -> None:
         assert self.directory is not None
         with self._lock:  # waiting keeps the entry in memory: only within the memory budget
-            held = sum(e.nbytes for e in self._entries.values() if e.arrays is not None)
+            held = self._held_bytes()
         deadline = time.monotonic() + (WRITE_DEFER_S if held <= self.memory_budget else 0.0)
         self._quiet.wait(max(0.0, deadline - time.monotonic()))
         arrays = entry.arrays

@@ -299,6 +299,7 @@ def generate_speculative(model: Model, drafter: Drafter, controller: Controller,
     if params.max_tokens == 0:
         return
     cache = cache if cache is not None else model.new_cache()
+    cache.expect(max(cache.expected, cache.length + len(prompt) + params.max_tokens))  # the most it may reach
     stats = stats if stats is not None else SpecStats()
     sampler = Sampler(params, model.args.vocab_size, model.args.eos_token_ids)
     state = drafter.new_state(params.seed)

@@ -171,17 +171,14 @@ def test_cache_width_and_bytes(checkpoints: dict[str, Checkpoint]) -> None:
     assert c.nbytes == 4 * 5 * a.kv_floats_per_token == sum(v.nbytes for k, v in arrays.items() if k != "tokens")
 
 
-def test_kv_capacity_grows_by_a_quarter_and_keeps_every_position(checkpoints: dict[str, Checkpoint]) -> None:
-    """reserve grows the arrays by a quarter (at least what is needed, whole 16-position blocks),
-    not to double: a sequence one position past its capacity holds about 1.25x, not 2x; what was
-    committed before a growth is kept bit for bit."""
-    args = model_of(checkpoints["mixtral"]).args
-    c = KVCache.for_model(args)
-    rng = np.random.default_rng(5)
+def _grow(c: KVCache, layers: int, steps: tuple[int, ...], seed: int) -> tuple[list[int], list[np.ndarray]]:
+    """Step `c` by each count of random positions: its capacity after each step, and the values
+    written to layer 0's k."""
+    rng = np.random.default_rng(seed)
     caps, written = [], []
-    for n in (256, 256, 256, 256, 16, 1, 300):
+    for n in steps:
         start = c.reserve(n)
-        for i in range(args.num_layers):
+        for i in range(layers):
             for name, shape in c.layer_layout(i).items():
                 v = rng.standard_normal((n, *shape), dtype=np.float32)
                 c.put(i, name, start, v)
@@ -189,6 +186,16 @@ def test_kv_capacity_grows_by_a_quarter_and_keeps_every_position(checkpoints: di
                     written.append(v)
         c.commit(list(range(start, start + n)))
         caps.append(c.capacity)
+    return caps, written
+
+
+def test_kv_capacity_grows_by_a_quarter_and_keeps_every_position(checkpoints: dict[str, Checkpoint]) -> None:
+    """reserve grows the arrays by a quarter (at least what is needed, whole 16-position blocks),
+    not to double: a sequence one position past its capacity holds about 1.25x, not 2x; what was
+    committed before a growth is kept bit for bit."""
+    args = model_of(checkpoints["mixtral"]).args
+    c = KVCache.for_model(args)
+    caps, written = _grow(c, args.num_layers, (256, 256, 256, 256, 16, 1, 300), seed=5)
     assert caps == [256, 512, 768, 1024, 1280, 1280, 1600], caps
     assert c.capacity_bytes == 4 * 1600 * args.num_layers * c.width
     np.testing.assert_array_equal(c.to_arrays()["layers.0.k"], np.concatenate(written))
@@ -203,18 +210,7 @@ def test_kv_cache_grows_by_doubling_up_to_what_the_sequence_is_expected_to_reach
     args = model_of(checkpoints["mixtral"]).args
     c = KVCache.for_model(args)
     c.expect(200)
-    rng = np.random.default_rng(6)
-    caps, written = [], []
-    for n in (30, 3, 40, 60, 66, 1, 40):
-        start = c.reserve(n)
-        for i in range(args.num_layers):
-            for name, shape in c.layer_layout(i).items():
-                v = rng.standard_normal((n, *shape), dtype=np.float32)
-                c.put(i, name, start, v)
-                if i == 0 and name == "k":
-                    written.append(v)
-        c.commit(list(range(start, start + n)))
-        caps.append(c.capacity)
+    caps, written = _grow(c, args.num_layers, (30, 3, 40, 60, 66, 1, 40), seed=6)
     # 30 -> 32; 33 -> 64 (doubled, where a quarter more was 48); 73 -> 128; 133 -> 208 (not
     # 256: the expected 200 in whole blocks); 199 and 200 fit; 240 is past the expectation:
     # a quarter more (260 -> 272)
