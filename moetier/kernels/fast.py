@@ -30,7 +30,6 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from moetier.kernels import _nbkernels as nb
 from moetier.model.ops import combine_slots
 from moetier.weights.quant import MXFP4_GROUP, QDTYPES, ExpertWeights, QTensor
 
@@ -346,6 +345,12 @@ _NO_BIAS = np.zeros(0, dtype=np.float32)
 
 class _NumbaBackend:
     def __init__(self, threads: int) -> None:
+        # numba and llvmlite are imported here, by the backend that runs on them, not with
+        # this module: a process on the C kernels would hold ~70 MB of compiler it never uses
+        # (per service, memory the expert cache could have under a cap)
+        from moetier.kernels import _nbkernels
+
+        self.nb = _nbkernels
         self.threads = threads
 
     @staticmethod
@@ -365,13 +370,13 @@ class _NumbaBackend:
     def linear(self, x: F32, w: QTensor, bias: F32 | None, out: F32) -> None:
         data, scales, code, g = self._bytes(w)
         self._threads()
-        nb.linear(x, data, scales, code, max(g, 1), x.shape[1], _NO_BIAS if bias is None else bias,
+        self.nb.linear(x, data, scales, code, max(g, 1), x.shape[1], _NO_BIAS if bias is None else bias,
                   bias is not None, out)
 
     def ffn(self, x: F32, w: ExpertWeights, out: F32) -> None:
         if not _plain(w):
             hg, hu = _hidden(self, x, w)
-            nb.glu_clamped(hg, hu, np.float32(w.act.alpha), np.float32(w.act.limit))
+            self.nb.glu_clamped(hg, hu, np.float32(w.act.alpha), np.float32(w.act.limit))
             self.linear(hg, w.down, w.down_bias, out)
             return
         t, i = x.shape[0], w.gate.shape[0]
@@ -379,19 +384,19 @@ class _NumbaBackend:
         hu = np.empty((t, i), dtype=np.float32)
         self.linear(x, w.gate, None, hg)
         self.linear(x, w.up, None, hu)
-        nb.swiglu(hg, hu)
+        self.nb.swiglu(hg, hu)
         self.linear(hg, w.down, None, out)
 
     def rmsnorm(self, x: F32, weight: F32, eps: float, out: F32) -> None:
-        nb.rmsnorm(x, weight, np.float32(eps), out)
+        self.nb.rmsnorm(x, weight, np.float32(eps), out)
 
     def softmax(self, x: F32, out: F32) -> None:
-        nb.softmax(x, out)
+        self.nb.softmax(x, out)
 
     def attention(self, q: F32, k: F32, v: F32, q_pos: npt.NDArray[np.int64], scale: float, out: F32,
                   sinks: F32 | None, window: int) -> None:
         self._threads()
-        nb.attention(q, k, v, q_pos, np.float32(scale), out, _NO_BIAS if sinks is None else sinks,
+        self.nb.attention(q, k, v, q_pos, np.float32(scale), out, _NO_BIAS if sinks is None else sinks,
                      sinks is not None, int(window))
 
 
