@@ -268,24 +268,41 @@ class Batcher:
 
     # ---- the loop ------------------------------------------------------------------------
     async def _run(self) -> None:
+        """Step while sequences run. A step's outputs are handed to their callers (and its
+        metrics observed) while the next step already runs: the batch of the next step is
+        settled first (what finished or failed leaves it, cancelled and waiting sequences
+        leave and join), then it starts, then the outputs go out. So the step thread does
+        not wait for the event loop's share of every token (the outputs, their gRPC writes)."""
         loop = asyncio.get_running_loop()
+        pending: asyncio.Future[_Result] | None = None  # the step in flight
         while True:
+            if pending is None:
+                self._reap()
+                self._admit()
+                self._update_kv()
+                if not self._running:
+                    if self.prefix is not None:
+                        self.prefix.stepping(False)  # its disk writes may run now
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                pending = self._start_step(loop)
+            result = await pending
+            pending = None
+            outputs = self._settle(result)
+            if self._after_step is not None:
+                self._after_step()  # between steps: it reads what the step thread counts
             self._reap()
             self._admit()
             self._update_kv()
-            if not self._running:
-                if self.prefix is not None:
-                    self.prefix.stepping(False)  # its disk writes may run now
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            if self.prefix is not None:
-                self.prefix.stepping(True)
-            batch = list(self._running)
-            result = await loop.run_in_executor(self._thread, self._step, batch)
-            self._deliver(result)
-            if self._after_step is not None:
-                self._after_step()
+            if self._running:
+                pending = self._start_step(loop)
+            self._emit(result, outputs)
+
+    def _start_step(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[_Result]:
+        if self.prefix is not None:
+            self.prefix.stepping(True)
+        return loop.run_in_executor(self._thread, self._step, list(self._running))
 
     def _reap(self) -> None:
         for seq in [s for s in self._running if s.cancelled]:
@@ -325,16 +342,32 @@ class Batcher:
             start += len(t)
         return out
 
-    def _deliver(self, r: _Result) -> None:
-        for query, hit in r.lookups:
-            self.metrics.prefix_query.inc(query)
-            self.metrics.prefix_hit.inc(hit)
+    def _settle(self, r: _Result) -> list[tuple[Sequence, SampledToken, str | None]]:
+        """A finished step's effect on the batch: the sequences it failed, and those that sampled
+        their last token, leave. Returns the outputs to hand out (`_emit`): the tokens of the
+        sequences still wanting them."""
         if r.error is not None:
             for seq in self._failed_by(r):
                 self._fail(seq, r.error)
-        now = time.monotonic()
+        outputs = []
         for seq, tok, reason in r.sampled:
             if seq.cancelled or seq.finished:
+                continue
+            outputs.append((seq, tok, reason))
+            if reason is not None:
+                self._running.remove(seq)
+                self._retire(seq, reason)
+        return outputs
+
+    def _emit(self, r: _Result, outputs: list[tuple[Sequence, SampledToken, str | None]]) -> None:
+        """Hand a settled step's outputs to their callers and observe its metrics (the loop's
+        fields of a sequence only: the next step may be running)."""
+        for query, hit in r.lookups:
+            self.metrics.prefix_query.inc(query)
+            self.metrics.prefix_hit.inc(hit)
+        now = time.monotonic()
+        for seq, tok, reason in outputs:
+            if seq.cancelled:  # its caller left since the step ended
                 continue
             req = seq.request
             first = seq.emitted == 0
@@ -348,9 +381,6 @@ class Batcher:
                 self.metrics.itl.observe(now - seq.last_token_at)
             seq.emitted += 1
             seq.last_token_at = now
-            if reason is not None:
-                self._running.remove(seq)
-                self._retire(seq, reason)
         t = r.timings
         self._mean_step_s = 0.9 * self._mean_step_s + 0.1 * t.step_s
         if r.error is None:
