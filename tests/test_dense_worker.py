@@ -196,6 +196,34 @@ async def test_greedy_alone_equals_moetier_generate(arch: str, models: dict[str,
         assert m["moetier_dense_worker_expert_calls_total{outcome=ok}"] == 0
 
 
+async def test_the_next_step_starts_before_the_last_tokens_are_streamed(models: dict[str, Path], tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop starts step n + 1 before it hands out step n's tokens (the step thread does not
+    wait for the streaming), and the tokens still arrive in order, the same as one by one."""
+    from services.dense_worker.batcher import Batcher
+
+    events: list[str] = []
+    start, emit = Batcher._start_step, Batcher._emit
+
+    def recorded_start(self: Batcher, loop: asyncio.AbstractEventLoop) -> Any:
+        events.append("start")
+        return start(self, loop)
+
+    def recorded_emit(self: Batcher, r: Any, outputs: Any) -> None:
+        events.append("emit")
+        emit(self, r, outputs)
+
+    monkeypatch.setattr(Batcher, "_start_step", recorded_start)
+    monkeypatch.setattr(Batcher, "_emit", recorded_emit)
+    prompt = prompt_of(9, 3)
+    async with cluster(models["qwen3_moe"], tmp_path) as c:
+        msgs = await collect(c.stub, request(prompt, 6))
+    assert len(tokens(msgs)) == 6 and msgs[-1].finish_reason == "length"
+    # one prefill step (9 tokens < the 16-token chunk) makes the first token, five decode steps the rest:
+    # every step but the last is followed by the next one's start, then by its own outputs
+    assert events == ["start"] + ["start", "emit"] * 5 + ["emit"]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 async def test_batch_of_8_different_lengths(arch: str, models: dict[str, Path], engines: dict[str, Engine],
                                             tmp_path: Path) -> None:
