@@ -346,7 +346,7 @@ _NO_BIAS = np.zeros(0, dtype=np.float32)
 class _NumbaBackend:
     def __init__(self, threads: int) -> None:
         # numba and llvmlite are imported here, by the backend that runs on them, not with
-        # this module: a process on the C kernels would hold ~70 MB of compiler it never uses
+        # this module: a process on the C kernels would hold ~60 MB of compiler it never uses
         # (per service, memory the expert cache could have under a cap)
         from moetier.kernels import _nbkernels
 
@@ -371,7 +371,7 @@ class _NumbaBackend:
         data, scales, code, g = self._bytes(w)
         self._threads()
         self.nb.linear(x, data, scales, code, max(g, 1), x.shape[1], _NO_BIAS if bias is None else bias,
-                  bias is not None, out)
+                       bias is not None, out)
 
     def ffn(self, x: F32, w: ExpertWeights, out: F32) -> None:
         if not _plain(w):
@@ -397,7 +397,7 @@ class _NumbaBackend:
                   sinks: F32 | None, window: int) -> None:
         self._threads()
         self.nb.attention(q, k, v, q_pos, np.float32(scale), out, _NO_BIAS if sinks is None else sinks,
-                     sinks is not None, int(window))
+                          sinks is not None, int(window))
 
 
 # ---------------------------------------------------------------- FastOps

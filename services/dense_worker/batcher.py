@@ -274,30 +274,25 @@ class Batcher:
         leave and join), then it starts, then the outputs go out. So the step thread does
         not wait for the event loop's share of every token (the outputs, their gRPC writes)."""
         loop = asyncio.get_running_loop()
-        pending: asyncio.Future[_Result] | None = None  # the step in flight
+        done: tuple[_Result, list[tuple[Sequence, SampledToken, str | None]]] | None = None  # settled, not emitted
         while True:
-            if pending is None:
-                self._reap()
-                self._admit()
-                self._update_kv()
-                if not self._running:
-                    if self.prefix is not None:
-                        self.prefix.stepping(False)  # its disk writes may run now
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                pending = self._start_step(loop)
-            result = await pending
-            pending = None
-            outputs = self._settle(result)
-            if self._after_step is not None:
-                self._after_step()  # between steps: it reads what the step thread counts
             self._reap()
             self._admit()
             self._update_kv()
-            if self._running:
-                pending = self._start_step(loop)
-            self._emit(result, outputs)
+            pending = self._start_step(loop) if self._running else None
+            if done is not None:
+                self._emit(*done)
+                done = None
+            if pending is None:
+                if self.prefix is not None:
+                    self.prefix.stepping(False)  # its disk writes may run now
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            result = await pending
+            done = result, self._settle(result)
+            if self._after_step is not None:
+                self._after_step()  # between steps: it reads what the step thread counts
 
     def _start_step(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[_Result]:
         if self.prefix is not None:
