@@ -846,3 +846,33 @@ def test_linears_together_give_each_linears_bits() -> None:
                     assert same_bits(got, ops.linear(x, w, b)), (path, act, t, w.dtype)
     with pytest.raises(ValueError, match="does not fit"):
         FastOps("c").linears(rand(rng, 2, 100), [(ws[0], None)])
+
+
+@pytest.mark.skipif(not c_available(), reason="the C extension is not built")
+def test_the_c_steps_are_their_numpy_definitions_to_the_bit() -> None:
+    """combine_slots and Rope.apply run in C where the extension loaded (C_STEPS): the same
+    bits as their numpy definitions, specials included, for every shape the forward makes."""
+    from moetier.model.ops import C_STEPS, combine_slots_numpy
+    from moetier.model.rope import Rope
+
+    assert set(C_STEPS) == {"combine", "rope"}, "the C kernels loaded but did not install their steps"
+    rng = np.random.default_rng(11)
+    for t, k, d in [(1, 8, 2048), (5, 2, 7), (3, 1, 64), (0, 4, 16)]:
+        ys, w = rand(rng, t, k, d), rand(rng, t, k)
+        if t:
+            ys[0, 0, :3] = [np.inf, -np.inf, -0.0]
+            w[-1, -1] = -0.0
+        assert np.array_equal(bits(combine_slots(ys, w)), bits(combine_slots_numpy(ys, w)))
+    for interleave in (False, True):
+        for t, heads, hd, pairs in [(1, 16, 128, 64), (4, 3, 80, 32), (2, 1, 64, 16), (0, 2, 8, 4)]:
+            rope = Rope(rand(rng, pairs), 1.0, interleave)
+            x, cos, sin = rand(rng, t, heads, hd), rand(rng, t, pairs), rand(rng, t, pairs)
+            got, want = rope.apply(x, cos, sin), rope.apply_numpy(x, cos, sin)
+            assert got.shape == x.shape
+            assert np.array_equal(bits(got), bits(want)), (interleave, t, heads, hd, pairs)
+    # a view the C step does not take (MLA's rope slice) goes the numpy way, same values
+    x = rand(rng, 2, 4, 96)
+    view = x[..., 32:]
+    rope = Rope(rand(rng, 32), 1.0, False)
+    cos, sin = rand(rng, 2, 32), rand(rng, 2, 32)
+    assert np.array_equal(bits(rope.apply(view, cos, sin)), bits(rope.apply_numpy(np.ascontiguousarray(view), cos, sin)))

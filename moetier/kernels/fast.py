@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from moetier.model.ops import combine_slots
+from moetier.model.ops import combine_slots, install_c_steps
 from moetier.weights.quant import MXFP4_GROUP, QDTYPES, ExpertWeights, QTensor
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "nu
 BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "mxfp4": 4}
 
-C_KERNELS_VERSION = 14  # MT_KERNELS_VERSION in csrc/mt.h
+C_KERNELS_VERSION = 15  # MT_KERNELS_VERSION in csrc/mt.h
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
@@ -53,6 +53,8 @@ try:
                       f"{C_KERNELS_VERSION}: rebuild with `pip install -e .`")
 except ImportError:  # built by the install; absent when no compiler was available
     _C_PROBLEM = "the C kernels are not built (no C compiler at install time?)"
+if _C is not None:
+    install_c_steps(_C.combine, _C.rope)
 
 
 def c_available() -> bool:

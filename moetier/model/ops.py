@@ -20,8 +20,8 @@ S = cached positions, dq = query/key width, dv = value width, K = top-k, D = hid
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -145,10 +145,37 @@ def wants_hints(experts: ExpertProvider) -> bool:
     return True if ask is None else bool(ask())
 
 
+# The C kernels' versions of elementwise steps of the forward pass (combine_slots here,
+# Rope.apply in moetier.model.rope): each is its numpy definition to the bit (every step one
+# IEEE operation, in the same order; tests/test_kernels.py compares them), without numpy's
+# cost per call on a decode step's small arrays. moetier.kernels installs them when the
+# extension loads; without it the numpy definitions run.
+C_STEPS: dict[str, Callable[..., None]] = {}
+
+
+def install_c_steps(combine: Callable[..., None], rope: Callable[..., None]) -> None:
+    C_STEPS.update(combine=combine, rope=rope)
+
+
+def _plain_f32(a: npt.NDArray[Any]) -> bool:
+    return a.dtype == np.float32 and a.flags.c_contiguous and a.flags.aligned
+
+
 def combine_slots(ys: F32, weights: F32) -> F32:
     """out[t] = sum_k weights[t, k] * ys[t, k], the sum elementwise in k order (0..K-1).
     ys [T, K, D], weights [T, K] -> [T, D]. The second half of every `Ops.moe`: one code path
     whether the slots were computed in one call or in waves, so both give the same bits."""
+    t, k, d = ys.shape
+    c = C_STEPS.get("combine")
+    if c is not None and weights.shape == (t, k) and _plain_f32(ys) and _plain_f32(weights):
+        y = np.empty((t, d), dtype=np.float32)
+        c(ys, weights, t, k, d, y)
+        return y
+    return combine_slots_numpy(ys, weights)
+
+
+def combine_slots_numpy(ys: F32, weights: F32) -> F32:
+    """combine_slots's definition, in numpy."""
     t, k, d = ys.shape
     out = np.zeros((t, d), dtype=np.float32)
     for j in range(k):

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.model.config import ModelArgs
+from moetier.model.ops import C_STEPS
 
 F32 = npt.NDArray[np.float32]
 
@@ -108,6 +109,18 @@ class Rope:
 
     def apply(self, x: F32, cos: F32, sin: F32) -> F32:
         """Rotate the first `dim` dims of every head: x [T, n, d], cos/sin [T, P] -> [T, n, d]."""
+        r = self.dim
+        rope = C_STEPS.get("rope")
+        if (rope is not None and x.ndim == 3 and r <= x.shape[2] and cos.shape == sin.shape == (x.shape[0], r // 2)
+                and x.dtype == cos.dtype == sin.dtype == np.float32 and x.flags.c_contiguous
+                and cos.flags.c_contiguous and sin.flags.c_contiguous):
+            y = np.empty_like(x)
+            rope(x, cos, sin, x.shape[0], x.shape[1], x.shape[2], r // 2, self.interleave, y)
+            return y
+        return self.apply_numpy(x, cos, sin)
+
+    def apply_numpy(self, x: F32, cos: F32, sin: F32) -> F32:
+        """`apply`'s definition, in numpy."""
         r = self.dim
         out = np.array(x, dtype=np.float32, copy=True)
         c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, P]

@@ -432,6 +432,51 @@ static PyObject *py_exp(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_combine(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *yo, *wo, *oo;
+    long long T, K, D;
+    if (!PyArg_ParseTuple(args, "OOLLLO", &yo, &wo, &T, &K, &D, &oo)) return NULL;
+    bufset bs = {.n = 0};
+    const float *ys, *w;
+    float *out;
+    if (!(ys = get_buf(&bs, yo, T * K * D * 4, 0, "ys")) || !(w = get_buf(&bs, wo, T * K * 4, 0, "weights")) ||
+        !(out = get_buf(&bs, oo, T * D * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    mt_combine(ys, w, T, K, D, out);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rope(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *co, *so, *oo;
+    long long T, H, d, P;
+    int interleave;
+    if (!PyArg_ParseTuple(args, "OOOLLLLpO", &xo, &co, &so, &T, &H, &d, &P, &interleave, &oo)) return NULL;
+    if (P < 0 || 2 * P > d) {
+        PyErr_Format(PyExc_ValueError, "rope: %lld pairs do not fit head dim %lld", P, d);
+        return NULL;
+    }
+    bufset bs = {.n = 0};
+    const float *x, *c, *s;
+    float *out;
+    if (!(x = get_buf(&bs, xo, T * H * d * 4, 0, "x")) || !(c = get_buf(&bs, co, T * P * 4, 0, "cos")) ||
+        !(s = get_buf(&bs, so, T * P * 4, 0, "sin")) || !(out = get_buf(&bs, oo, T * H * d * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    mt_rope(x, c, s, T, H, d, P, interleave, out);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_fma_probe(PyObject *self, PyObject *args) {
     (void)self;
     int isa_i, nthreads;
@@ -513,6 +558,10 @@ static PyMethodDef methods[] = {
     {"glu_clamped", py_glu_clamped, METH_VARARGS,
      "glu_clamped(gate, up, N, alpha, limit): gpt-oss's clamped SwiGLU into gate, elementwise"},
     {"exp", py_exp, METH_VARARGS, "exp(x, N, out, isa): the contract's exponential, elementwise"},
+    {"combine", py_combine, METH_VARARGS,
+     "combine(ys, weights, T, K, D, out): out[t] = sum_k weights[t, k] * ys[t, k], in k order"},
+    {"rope", py_rope, METH_VARARGS,
+     "rope(x, cos, sin, T, H, d, P, interleave, out): the rotary embedding of Rope.apply"},
     {"fma_probe", py_fma_probe, METH_VARARGS,
      "fma_probe(isa, threads, rounds) -> flops: twelve independent fma chains per thread chunk (the FMA peak)"},
     {"read_probe", py_read_probe, METH_VARARGS,

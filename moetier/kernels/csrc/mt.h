@@ -74,7 +74,7 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 14
+#define MT_KERNELS_VERSION 15
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
@@ -329,6 +329,17 @@ int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k
 /* gpt-oss's clamped SwiGLU, elementwise: g = min(g, limit), u = clamp(u, -limit, limit),
  * g = (u + 1) * (g * (1 / (1 + exp(-(g * alpha))))) -- with the contract's exp, in place in g */
 void mt_glu_clamped(float *g, const float *u, int64_t n, float alpha, float limit);
+
+/* Elementwise steps of the forward pass, each exactly its numpy definition (one IEEE operation
+ * per step; -ffp-contract=off keeps a multiply and an add apart):
+ * mt_combine: out[t, d] = 0, then out[t, d] += w[t, j] * ys[t, j, d] for j = 0 .. K-1 in order
+ *   (moetier.model.ops.combine_slots); ys [T, K, D], w [T, K], out [T, D].
+ * mt_rope: out = x, then per row t, head h and pair p < P of the first 2P dims, with a, b the
+ *   pair (x[p], x[P + p]; interleaved: x[2p], x[2p + 1]): a * c - b * s and b * c + a * s for
+ *   c = cos[t, p], s = sin[t, p] (moetier.model.rope.Rope.apply); x, out [T, H, d], cos, sin [T, P]. */
+void mt_combine(const float *ys, const float *w, int64_t T, int64_t K, int64_t D, float *out);
+void mt_rope(const float *x, const float *cos, const float *sin, int64_t T, int64_t H, int64_t d, int64_t P,
+             int interleave, float *out);
 
 /* The probes on nthreads threads: flops done / a checksum of the bytes read. */
 double mt_fma_probe(const mt_isa *isa, int nthreads, int64_t rounds);

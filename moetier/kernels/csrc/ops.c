@@ -494,6 +494,43 @@ int mt_ffn_q8(const mt_isa *isa, int nthreads, const float *x, int64_t T, const 
     return mt_ffn_many(isa, nthreads, 1, &e, 1);
 }
 
+void mt_combine(const float *ys, const float *w, int64_t T, int64_t K, int64_t D, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        float *o = out + t * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+        for (int64_t j = 0; j < K; j++) {
+            const float wj = w[t * K + j];
+            const float *y = ys + (t * K + j) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = o[d] + wj * y[d];
+        }
+    }
+}
+
+void mt_rope(const float *x, const float *cos, const float *sin, int64_t T, int64_t H, int64_t d, int64_t P,
+             int interleave, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * P, *s = sin + t * P;
+        for (int64_t h = 0; h < H; h++) {
+            const float *xr = x + (t * H + h) * d;
+            float *o = out + (t * H + h) * d;
+            for (int64_t i = 2 * P; i < d; i++) o[i] = xr[i];
+            if (interleave) {
+                for (int64_t p = 0; p < P; p++) {
+                    const float a = xr[2 * p], b = xr[2 * p + 1];
+                    o[2 * p] = a * c[p] - b * s[p];
+                    o[2 * p + 1] = b * c[p] + a * s[p];
+                }
+            } else {
+                for (int64_t p = 0; p < P; p++) {
+                    const float a = xr[p], b = xr[P + p];
+                    o[p] = a * c[p] - b * s[p];
+                    o[P + p] = b * c[p] + a * s[p];
+                }
+            }
+        }
+    }
+}
+
 void mt_glu_clamped(float *g, const float *u, int64_t n, float alpha, float limit) {
     for (int64_t i = 0; i < n; i++) {
         const float gv = g[i] > limit ? limit : g[i]; /* min(g, limit), NaN kept */
