@@ -157,7 +157,8 @@ def install_c_steps(combine: Callable[..., None], rope: Callable[..., None]) -> 
     C_STEPS.update(combine=combine, rope=rope)
 
 
-def _plain_f32(a: npt.NDArray[Any]) -> bool:
+def plain_f32(a: npt.NDArray[Any]) -> bool:
+    """float32, C-contiguous and aligned: what a C step takes as it is."""
     return a.dtype == np.float32 and a.flags.c_contiguous and a.flags.aligned
 
 
@@ -167,7 +168,7 @@ def combine_slots(ys: F32, weights: F32) -> F32:
     whether the slots were computed in one call or in waves, so both give the same bits."""
     t, k, d = ys.shape
     c = C_STEPS.get("combine")
-    if c is not None and weights.shape == (t, k) and _plain_f32(ys) and _plain_f32(weights):
+    if c is not None and weights.shape == (t, k) and plain_f32(ys) and plain_f32(weights):
         y = np.empty((t, d), dtype=np.float32)
         c(ys, weights, t, k, d, y)
         return y

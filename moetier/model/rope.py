@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.model.config import ModelArgs
-from moetier.model.ops import C_STEPS
+from moetier.model.ops import C_STEPS, plain_f32
 
 F32 = npt.NDArray[np.float32]
 
@@ -112,8 +112,7 @@ class Rope:
         r = self.dim
         rope = C_STEPS.get("rope")
         if (rope is not None and x.ndim == 3 and r <= x.shape[2] and cos.shape == sin.shape == (x.shape[0], r // 2)
-                and x.dtype == cos.dtype == sin.dtype == np.float32 and x.flags.c_contiguous
-                and cos.flags.c_contiguous and sin.flags.c_contiguous):
+                and plain_f32(x) and plain_f32(cos) and plain_f32(sin)):
             y = np.empty_like(x)
             rope(x, cos, sin, x.shape[0], x.shape[1], x.shape[2], r // 2, self.interleave, y)
             return y
