@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from moetier.model.ops import combine_slots, install_c_steps
+from moetier.model.ops import combine_slots, install_c_steps, unique_ids
 from moetier.weights.quant import MXFP4_GROUP, QDTYPES, ExpertWeights, QTensor
 
 log = logging.getLogger(__name__)
@@ -579,7 +579,7 @@ class FastOps:
         flat = ids.reshape(-1)
         plain: list[tuple[Any, ...]] = []
         c_backend = isinstance(self._k, _CBackend)
-        for e in (sorted(set(flat.tolist())) if len(flat) <= 16 else np.unique(flat).tolist()):
+        for e in unique_ids(flat):
             w = experts.get(e)
             if w is None:
                 continue

@@ -162,6 +162,15 @@ def plain_f32(a: npt.NDArray[Any]) -> bool:
     return a.dtype == np.float32 and a.flags.c_contiguous and a.flags.aligned
 
 
+def unique_ids(ids: Any) -> list[int]:
+    """The distinct ids, ascending, as ints (np.unique's result; a decode step's few ids
+    without its per-call cost)."""
+    a = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if len(a) <= 64:
+        return sorted(set(a.tolist()))
+    return np.unique(a).tolist()
+
+
 def combine_slots(ys: F32, weights: F32) -> F32:
     """out[t] = sum_k weights[t, k] * ys[t, k], the sum elementwise in k order (0..K-1).
     ys [T, K, D], weights [T, K] -> [T, D]. The second half of every `Ops.moe`: one code path

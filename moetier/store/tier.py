@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.errors import FormatError, ResourceExhausted, Unavailable
+from moetier.model.ops import unique_ids
 from moetier.settings import Settings, resolve_budget
 from moetier.store.buffers import Buffer, Holder
 from moetier.store.history import load_history, save_history
@@ -148,10 +149,7 @@ class Lease:
             ready = e.ready
             assert ready is not None  # a pinned entry keeps its future
             if ready.done():
-                if e.value is not None:  # read and parsed: the value its future holds, without its lock
-                    now[e.key[1]] = e.value
-                else:
-                    first = _take(ready, e.key[1], now, first)
+                first = _take(ready, e.key[1], now, first)
             else:
                 pending[ready] = e.key[1]
         if now:
@@ -174,15 +172,6 @@ class Lease:
         if not self._released:
             self._released = True
             self.tier._end(self)
-
-
-def _unique(ids: IdsLike) -> list[int]:
-    """The distinct ids, ascending, as ints (np.unique's order; a decode step's few ids
-    without its per-call cost)."""
-    a = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if len(a) <= 64:
-        return sorted(set(a.tolist()))
-    return np.unique(a).tolist()
 
 
 def _take(f: Future[Any], expert: int, into: dict[int, Any], first: BaseException | None) -> BaseException | None:
@@ -273,7 +262,7 @@ class ExpertTier:
         later wave of the same call needs; then the rest in id order. An expert larger than the
         whole budget (the tier's constructor refuses such a budget) gets a wave of its own, and
         pinning it raises ResourceExhausted."""
-        union = _unique(ids)
+        union = unique_ids(ids)
         if len(union) * self.index.record_bytes <= self.budget:  # record_bytes: the largest record
             return [union]  # fits (checked when pinned); the common case stays cheap
         keys = self._keys(layer, union)
@@ -293,7 +282,7 @@ class ExpertTier:
 
     def _keys(self, layer: int, ids: IdsLike) -> list[ExpertKey]:
         layer = int(layer)
-        keys = [(layer, i) for i in _unique(ids)]
+        keys = [(layer, i) for i in unique_ids(ids)]
         for k in keys:
             self.index.location(k)  # NotFound for an unknown layer or expert
         return keys
