@@ -160,10 +160,10 @@ static void linear_chunk(void *ctx, int64_t chunk) {
         const qmat *w = k->w;
         const int64_t nb = b1 - b0 < MT_CHUNK_PROLOGUE ? b1 - b0 : MT_CHUNK_PROLOGUE;
         const char *d = (const char *)w->data + b0 * RB * w->row_bytes;
-        for (int64_t o = 0; o < nb * RB * w->row_bytes; o += 64) __builtin_prefetch(d + o, 0, 3);
+        for (int64_t o = 0; o < nb * RB * w->row_bytes; o += 64) __builtin_prefetch(d + o, 0, MT_PF_LOCALITY);
         if (w->scales) {
             const char *sc = (const char *)(w->scales + b0 * RB * w->ngroups);
-            for (int64_t o = 0; o < nb * RB * w->ngroups * 2; o += 64) __builtin_prefetch(sc + o, 0, 3);
+            for (int64_t o = 0; o < nb * RB * w->ngroups * 2; o += 64) __builtin_prefetch(sc + o, 0, MT_PF_LOCALITY);
         }
     }
     for (int64_t b = b0; b < b1;) {

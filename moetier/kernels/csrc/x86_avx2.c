@@ -361,7 +361,7 @@ MT_AVX2 INLINE void prefetch_ahead(const int dtype, const uint8_t *rp, int64_t r
     const int64_t off = col_bytes(dtype, c);
     if ((off & 63) < col_bytes(dtype, 16))
         for (int64_t b = off & ~(int64_t)63; b < off + col_bytes(dtype, 16); b += 64)
-            _mm_prefetch((const char *)rp + RB * row_bytes + b, _MM_HINT_T0);
+            _mm_prefetch((const char *)rp + RB * row_bytes + b, MT_PF_HINT);
 }
 
 /* 1 token x 4 rows: eight accumulator chains, enough to hide the fma latency. */
@@ -487,8 +487,8 @@ MT_AVX2 INLINE void pairs_1x2_g(const qmat *w, int64_t r0, const float *xp, floa
             const __m256 s0 = _mm256_broadcast_ss(&sc[0][j]), m0 = _mm256_broadcast_ss(&sc[1][j]);
             const __m256 s1 = _mm256_broadcast_ss(&sc[2][j]), m1 = _mm256_broadcast_ss(&sc[3][j]);
             for (int64_t c = 0; c < G; c += 32) {
-                _mm_prefetch(ahead, _MM_HINT_T0);
-                _mm_prefetch(ahead + rb, _MM_HINT_T0);
+                _mm_prefetch(ahead, MT_PF_HINT);
+                _mm_prefetch(ahead + rb, MT_PF_HINT);
                 ahead += 16;
                 PAIRS_ROW(0, p0, s0, m0, xq);
                 PAIRS_ROW(1, p1, s1, m1, xq);
@@ -555,7 +555,7 @@ MT_AVX2 INLINE void pairs_tokens(const qmat *w, int64_t r, const float *xp, int6
         const __m256 sc = _mm256_set1_ps(f), m8 = _mm256_set1_ps(-8.0f * f);
         for (int64_t c = 0; c < G; c += 16) {
             if ((c & 127) == 0) /* a line of the next block's row (past the end: never faults) */
-                _mm_prefetch((const char *)p + RB * w->row_bytes, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + RB * w->row_bytes, MT_PF_HINT);
             const __m256i t = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
             const __m256 we = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(t, m4)), sc, m8);
             const __m256 wo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(t, 4)), sc, m8);
@@ -651,10 +651,10 @@ MT_AVX2 INLINE void int8_1x4_g(const qmat *w, int64_t r0, const float *x, float 
             const __m256 s2 = _mm256_broadcast_ss(&sc[2][j]), s3 = _mm256_broadcast_ss(&sc[3][j]);
             for (int64_t k = 0; k < G; k += 16, c += 16) {
                 if ((c & 63) == 0) { /* a new line of each row: fetch the same line of the rows ahead */
-                    _mm_prefetch(ahead, _MM_HINT_T0);
-                    _mm_prefetch(ahead + rb, _MM_HINT_T0);
-                    _mm_prefetch(ahead + 2 * rb, _MM_HINT_T0);
-                    _mm_prefetch(ahead + 3 * rb, _MM_HINT_T0);
+                    _mm_prefetch(ahead, MT_PF_HINT);
+                    _mm_prefetch(ahead + rb, MT_PF_HINT);
+                    _mm_prefetch(ahead + 2 * rb, MT_PF_HINT);
+                    _mm_prefetch(ahead + 3 * rb, MT_PF_HINT);
                     ahead += 64;
                 }
                 INT8_ROW(0, p0, s0, xq);

@@ -276,7 +276,7 @@ fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, c
     int64_t s0 = 0, k = 0;
     for (; s0 < cfull; s0 += step, k++) {
         for (int i = 0; i < RB; i++) {
-            _mm_prefetch((const char *)rp[i] + k * step_bytes + pfd, _MM_HINT_T0);
+            _mm_prefetch((const char *)rp[i] + k * step_bytes + pfd, MT_PF_HINT);
             if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][k])));
             if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(_cvtsh_ss(sp[i][k]));
         }
@@ -372,8 +372,8 @@ halves_tb(const int nt, const int NR, const qmat *w, const int64_t *rows, const 
     float sc[2 * RB][16] __attribute__((aligned(64)));
     for (int64_t c0 = 0, gi = 0; c0 < C; c0 += g, gi++) {
         __m512 tab[2 * RB];
-        for (int64_t o = gi * per; o < (gi + 1) * per; o += 64) _mm_prefetch(pf + o, _MM_HINT_T0);
-        if (gi * 64 < NR * ng * 2) _mm_prefetch(spf + gi * 64, _MM_HINT_T0);
+        for (int64_t o = gi * per; o < (gi + 1) * per; o += 64) _mm_prefetch(pf + o, MT_PF_HINT);
+        if (gi * 64 < NR * ng * 2) _mm_prefetch(spf + gi * 64, MT_PF_HINT);
         if ((gi & 15) == 0)
             for (int i = 0; i < NR; i++) {
                 if (ng - gi >= 16)

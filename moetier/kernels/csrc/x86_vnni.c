@@ -113,7 +113,7 @@ MT_VNNI INLINE __m512 tile(const int int4, const int RT, const int TT, const til
                 XH[j] = _mm512_loadu_si512(xt[j] + p * 2 * MT_Q8B + MT_Q8B);
             }
             if (pf)
-                for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch((const char *)pf + p * pf_step + o, _MM_HINT_T0);
+                for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch((const char *)pf + p * pf_step + o, MT_PF_HINT);
             for (int i = 0; i < RT; i++) {
                 const __m512i v = full ? _mm512_loadu_si512(rp[i] + p * MT_Q8B)
                                        : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, rp[i] + p * MT_Q8B);
@@ -132,7 +132,7 @@ MT_VNNI INLINE __m512 tile(const int int4, const int RT, const int TT, const til
             __m512i X[4], a[16];
             for (int j = 0; j < TT; j++) X[j] = _mm512_loadu_si512(xt[j] + b * MT_Q8B);
             if (pf)
-                for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch((const char *)pf + b * pf_step + o, _MM_HINT_T0);
+                for (int64_t o = 0; o < pf_step; o += 64) _mm_prefetch((const char *)pf + b * pf_step + o, MT_PF_HINT);
             for (int i = 0; i < RT; i++) {
                 const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(rp[i] + b * MT_Q8B), flip);
                 for (int j = 0; j < TT; j++) a[j * RT + i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v, X[j]);
