@@ -79,6 +79,7 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
 #define RB 4    /* output rows per block */
+#define TBMAX 4 /* tokens per tile of the generic path; also the fused-decode limit */
 
 /* The kernels' own prefetches of weights ahead of the rows they read (each byte is read
  * once per call) go to L2, not L1: _mm_prefetch's hint on x86 (MT_PF_HINT, where
@@ -92,7 +93,6 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #ifndef MT_PF_LOCALITY
 #define MT_PF_LOCALITY 2
 #endif
-#define TBMAX 4 /* tokens per tile of the generic path; also the fused-decode limit */
 
 typedef struct {
     int dtype;
