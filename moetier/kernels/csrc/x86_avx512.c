@@ -227,8 +227,8 @@ static inline int64_t mt_prefetch_step(int64_t block_bytes, int64_t steps) {
 #endif
 /* ... of the int4 halves kernels, whose loop does more work per byte (measured with the L2
  * prefetch hint, alternating builds, Zen 4, 2 threads: a layer's 8 OLMoE int4 experts from
- * memory 1074-1104 us a call at 2 blocks, 1029-1044 at 3, 1035-1075 at 4; int8's fused_tb
- * keeps 2: its decode step 43.7 ms at 2, 44.4-50.7 at 3) */
+ * memory 1074-1104 us a call at 2 blocks, 1029-1044 at 3, 1035-1075 at 4). fused_tb keeps
+ * MT_PREFETCH_BLOCKS: at 3 the OLMoE int8 decode step took 44.4-50.7 ms, at 2 43.7-45.8. */
 #ifndef MT_HALVES_PREFETCH_BLOCKS
 #define MT_HALVES_PREFETCH_BLOCKS 3
 #endif
@@ -368,12 +368,14 @@ halves_tb(const int nt, const int NR, const qmat *w, const int64_t *rows, const 
     __m512 acc[BMK_TOK][2 * RB];
     for (int j = 0; j < nt; j++)
         for (int i = 0; i < NR; i++) acc[j][i] = _mm512_setzero_ps();
-    /* The block MT_HALVES_PREFETCH_BLOCKS ahead is fetched as one sequential stream, a few lines per
-     * group (the RB rows of a block are contiguous), and its scales a line per group: one
-     * sequential stream instead of a line of each row per group (measured: 4.6 MB experts from
-     * memory, 2 threads, Zen 4: 17.0-17.3 -> 19.2-20.3 GB/s best, with the chunk prologue). */
+    /* The block MT_HALVES_PREFETCH_BLOCKS ahead is fetched as one sequential stream, a few
+     * lines per group (the RB rows of a block are contiguous), and its scales a line per
+     * group: one sequential stream instead of a line of each row per group (measured: 4.6 MB
+     * experts from memory, 2 threads, Zen 4: 17.0-17.3 -> 19.2-20.3 GB/s best, with the chunk
+     * prologue). */
     const int64_t per = mt_prefetch_step(NR * rb, ng);
-    const char *pf = (const char *)rp[0] + pfd, *spf = (const char *)(sp[0] + MT_HALVES_PREFETCH_BLOCKS * RB * ng);
+    const char *pf = (const char *)rp[0] + pfd;
+    const char *spf = (const char *)(sp[0] + MT_HALVES_PREFETCH_BLOCKS * RB * ng);
     /* the scales of sixteen groups of each row, converted at once (in cache, one thread, Zen 4:
      * 13.1 -> 15.4 GB/s against one scalar conversion per group) */
     float sc[2 * RB][16] __attribute__((aligned(64)));
