@@ -19,6 +19,7 @@ import yaml
 from helpers_hf import write_tiny_checkpoint
 
 from moetier.bench.peers import inputs, report, run
+from moetier.bench.peers import peer as peer_mod
 from moetier.bench.peers.client import Counters, complete
 from moetier.bench.peers.gguf_convert import is_gpt2_pre_tokenizer
 from moetier.bench.peers.peer import Peer, find_peer
@@ -35,7 +36,7 @@ from moetier.bench.peers.systems import LlamaCpp, MoetierInProcess, MoetierUp
 from moetier.cli import main
 from moetier.convert import synth
 from moetier.engine import Engine
-from moetier.errors import ResourceExhausted, Unavailable
+from moetier.errors import InvalidArgument, ResourceExhausted, Unavailable
 from moetier.model.sampling import SamplingParams
 from moetier.settings import load_settings
 
@@ -68,6 +69,24 @@ def test_without_the_peer_it_says_how_to_install_it(tmp_path: Path, capsys: pyte
     assert main(["bench", "peers", "--config", str(_config(tmp_path)), "--regime", "resident"]) == 1
     err = capsys.readouterr().err
     assert "llama-cpp-python 0.3.36 is not installed" in err and "moetier bench peers --install" in err
+
+
+def test_the_peer_is_built_without_amx_on_an_amx_cpu_and_a_build_with_other_flags_is_rebuilt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    assert peer_mod.build_cflags("x86_64", {"avx512f", "amx_tile", "amx_int8"}) == peer_mod.NO_AMX_CFLAGS
+    assert peer_mod.build_cflags("x86_64", {"avx2", "fma"}) == ""
+    assert peer_mod.build_cflags("aarch64", {"amx_tile"}) == ""  # the -mno-amx flags are x86 GCC's
+    # an install whose record names other flags than this machine needs is not the peer
+    root = peer_mod.peer_root(tmp_path)
+    (root / "venv" / "bin").mkdir(parents=True)
+    (root / "venv" / "bin" / "python").touch()
+    (root / peer_mod.INSTALL_RECORD).write_text(json.dumps({"version": "0.3.36", "cflags": ""}))
+    monkeypatch.setattr(peer_mod, "build_cflags", lambda *a: peer_mod.NO_AMX_CFLAGS)
+    assert peer_mod.find_peer(tmp_path) is None
+    with pytest.raises(InvalidArgument, match="built with other compiler flags .* --install` to rebuild"):
+        peer_mod.require_peer(tmp_path)
+    monkeypatch.setattr(peer_mod, "build_cflags", lambda *a: "")
+    assert peer_mod.find_peer(tmp_path) is not None
 
 
 def test_plan_lists_the_blocks_and_the_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

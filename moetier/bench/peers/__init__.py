@@ -189,7 +189,8 @@ def machine_info(model_path: Path) -> dict[str, Any]:
 def machine_line(m: dict[str, Any], peer: dict[str, Any]) -> str:
     return (f"machine: {m['cpu']}, {m['cpus']} CPUs, {m['memory_bytes'] / 2**30:.0f} GiB, flags "
             f"{' '.join(m['flags'])}; moetier kernels {m['moetier_kernels']}; disk {m['disk']} read_ahead_kb "
-            f"{m['read_ahead_kb']}\nllama.cpp: llama-cpp-python {peer['version']} ({peer['cmake_args']}, built in "
+            f"{m['read_ahead_kb']}\nllama.cpp: llama-cpp-python {peer['version']} ({peer['cmake_args']}"
+            f"{', CFLAGS ' + peer['cflags'] if peer.get('cflags') else ''}, built in "
             f"{peer['seconds']['build']:.0f} s): {peer['system_info']}")
 
 

@@ -4,7 +4,7 @@ Nothing of llama.cpp is part of moetier: `install` fetches the sdist from PyPI a
 unpacks it under data_dir/peers/llama-cpp-python-<version>/src (its bundled llama.cpp
 holds the GGUF converter, convert_hf_to_gguf.py, and gguf-py), and builds it into a venv
 beside it with `CMAKE_ARGS=-DGGML_NATIVE=ON` (the CPU's own instruction set, as llama.cpp
-users build it). The multimodal library (mtmd) is left out (`-DLLAVA_BUILD=OFF`): nothing
+users build it), AMX left out where the CPU has it (`build_cflags`). The multimodal library (mtmd) is left out (`-DLLAVA_BUILD=OFF`): nothing
 here uses it and it only lengthens the build. The same venv gets the converter's packages
 (torch, transformers, sentencepiece). install.json records what was built, how long it
 took and llama.cpp's own system_info line.
@@ -36,6 +36,12 @@ CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
 # what the converter script imports beyond gguf-py (bundled in the sdist) and numpy
 CONVERTER_PACKAGES = ("torch==2.13.0", "transformers>=4.57", "sentencepiece", "safetensors", "tqdm", "pyyaml",
                       "requests")
+# llama.cpp's AMX matmul (ggml-cpu/amx, compiled in by -march=native where the CPU has AMX) died
+# with SIGILL on `tilezero` in a worker thread, serving the OLMoE Q4_0 GGUF on a 2-vCPU Intel Xeon
+# VM (amx_tile amx_int8 amx_bf16), while AMX instructions run there in any thread of a
+# process that requested the permission. It holds only the dense matrices (the expert tensors
+# go to the CPU repack), so the peer is built without it; GCC lets -mno-* win over -march.
+NO_AMX_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 SCRIPTS = Path(__file__).resolve().parent
 INSTALL_RECORD = "install.json"
 
@@ -66,16 +72,43 @@ class Peer:
         return [str(self.python), str(SCRIPTS / name), *args]
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def build_cflags(machine: str | None = None, cpu_flags: set[str] | None = None) -> str:
+    """CFLAGS and CXXFLAGS of the peer's build beside CMAKE_ARGS: NO_AMX_CFLAGS on an x86-64 CPU
+    with AMX, else nothing."""
+    import platform
+
+    machine = machine or platform.machine()
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    return NO_AMX_CFLAGS if machine in ("x86_64", "AMD64") and "amx_tile" in flags else ""
+
+
 def peer_root(data_dir: Path, version: str = LLAMA_CPP_PYTHON) -> Path:
     return data_dir / "peers" / f"llama-cpp-python-{version}"
 
 
 def find_peer(data_dir: Path, version: str = LLAMA_CPP_PYTHON) -> Peer | None:
-    """The installed peer, or None when `install` has not completed (its record is written last)."""
+    """The installed peer, or None when `install` has not completed (its record is written last)
+    or built it with other compiler flags than `build_cflags` gives on this machine."""
     root = peer_root(data_dir, version)
     if not (root / INSTALL_RECORD).is_file() or not (root / "venv" / "bin" / "python").exists():
         return None
-    return Peer(root, version)
+    peer = Peer(root, version)
+    try:
+        built_with = peer.record.get("cflags", "")
+    except (OSError, ValueError):
+        return None
+    return peer if built_with == build_cflags() else None
 
 
 def _run(argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> float:
@@ -114,8 +147,12 @@ def install(data_dir: Path, version: str = LLAMA_CPP_PYTHON, *, say: Any = print
         with tarfile.open(sdist) as tf:
             tf.extractall(tmp, filter="data")
         shutil.move(str(Path(tmp) / sdist.name.removesuffix(".tar.gz")), root / "src")
-    say(f"  building llama.cpp (CMAKE_ARGS={CMAKE_ARGS}); this takes a while")
+    cflags = build_cflags()
+    say(f"  building llama.cpp (CMAKE_ARGS={CMAKE_ARGS}{f', CFLAGS={cflags}' if cflags else ''}); this takes a while")
     env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+    if cflags:
+        for var in ("CFLAGS", "CXXFLAGS"):
+            env[var] = f"{env.get(var, '')} {cflags}".strip()
     t_build = _run([*pip, "install", "--no-cache-dir", f"{root / 'src'}[server]"], log, env=env)
     say(f"  built in {t_build:.0f} s; installing the GGUF converter's packages")
     t_conv = _run([*pip, "install", *CONVERTER_PACKAGES], log)
@@ -126,7 +163,7 @@ def install(data_dir: Path, version: str = LLAMA_CPP_PYTHON, *, say: Any = print
     if info.returncode != 0:
         raise Unavailable(f"the built llama_cpp does not import:\n{info.stderr[-2000:]}")
     got_version, system_info = [*info.stdout.splitlines(), "", ""][:2]
-    record = {"version": got_version.strip(), "cmake_args": CMAKE_ARGS, "system_info": system_info.strip(),
+    record = {"version": got_version.strip(), "cmake_args": CMAKE_ARGS, "cflags": cflags, "system_info": system_info.strip(),
               "seconds": {"venv": round(t_venv, 1), "fetch_sdist": round(t_fetch, 1), "build": round(t_build, 1),
                           "converter_packages": round(t_conv, 1)},
               "cpus": os.cpu_count()}
@@ -138,6 +175,11 @@ def install(data_dir: Path, version: str = LLAMA_CPP_PYTHON, *, say: Any = print
 def require_peer(data_dir: Path, version: str = LLAMA_CPP_PYTHON) -> Peer:
     peer = find_peer(data_dir, version)
     if peer is None:
-        raise InvalidArgument(f"llama-cpp-python {version} is not installed under {peer_root(data_dir, version)}; "
+        root = peer_root(data_dir, version)
+        if (root / INSTALL_RECORD).is_file():
+            raise InvalidArgument(f"llama-cpp-python {version} under {root} was built with other compiler flags "
+                                  f"than this machine needs (CFLAGS {build_cflags() or 'none'!r}); run `moetier "
+                                  "bench peers --install` to rebuild it")
+        raise InvalidArgument(f"llama-cpp-python {version} is not installed under {root}; "
                               "run `moetier bench peers --install` first (it builds llama.cpp from source)")
     return peer
