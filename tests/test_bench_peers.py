@@ -83,7 +83,7 @@ def test_the_peer_is_built_without_amx_on_an_amx_cpu_and_a_build_with_other_flag
     (root / peer_mod.INSTALL_RECORD).write_text(json.dumps({"version": "0.3.36", "cflags": ""}))
     monkeypatch.setattr(peer_mod, "build_cflags", lambda *a: peer_mod.NO_AMX_CFLAGS)
     assert peer_mod.find_peer(tmp_path) is None
-    with pytest.raises(InvalidArgument, match="built with other compiler flags .* --install` to rebuild"):
+    with pytest.raises(InvalidArgument, match=r"built with other compiler flags .* --install` to rebuild"):
         peer_mod.require_peer(tmp_path)
     monkeypatch.setattr(peer_mod, "build_cflags", lambda *a: "")
     assert peer_mod.find_peer(tmp_path) is not None
