@@ -87,6 +87,11 @@ def test_the_peer_is_built_without_amx_on_an_amx_cpu_and_a_build_with_other_flag
         peer_mod.require_peer(tmp_path)
     monkeypatch.setattr(peer_mod, "build_cflags", lambda *a: "")
     assert peer_mod.find_peer(tmp_path) is not None
+    # an install that did not complete is "not installed", whatever its record says
+    (root / "venv" / "bin" / "python").unlink()
+    monkeypatch.setattr(peer_mod, "build_cflags", lambda *a: peer_mod.NO_AMX_CFLAGS)
+    with pytest.raises(InvalidArgument, match="is not installed under"):
+        peer_mod.require_peer(tmp_path)
 
 
 def test_plan_lists_the_blocks_and_the_cap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,8 +4,8 @@ Nothing of llama.cpp is part of moetier: `install` fetches the sdist from PyPI a
 unpacks it under data_dir/peers/llama-cpp-python-<version>/src (its bundled llama.cpp
 holds the GGUF converter, convert_hf_to_gguf.py, and gguf-py), and builds it into a venv
 beside it with `CMAKE_ARGS=-DGGML_NATIVE=ON` (the CPU's own instruction set, as llama.cpp
-users build it), AMX left out where the CPU has it (`build_cflags`). The multimodal library (mtmd) is left out (`-DLLAVA_BUILD=OFF`): nothing
-here uses it and it only lengthens the build. The same venv gets the converter's packages
+users build it), AMX left out where the CPU has it (`build_cflags`). The multimodal library
+(mtmd) is left out (`-DLLAVA_BUILD=OFF`): nothing here uses it and it only lengthens the build. The same venv gets the converter's packages
 (torch, transformers, sentencepiece). install.json records what was built, how long it
 took and llama.cpp's own system_info line.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -86,8 +87,6 @@ def _cpu_flags() -> set[str]:
 def build_cflags(machine: str | None = None, cpu_flags: set[str] | None = None) -> str:
     """CFLAGS and CXXFLAGS of the peer's build beside CMAKE_ARGS: NO_AMX_CFLAGS on an x86-64 CPU
     with AMX, else nothing."""
-    import platform
-
     machine = machine or platform.machine()
     flags = _cpu_flags() if cpu_flags is None else cpu_flags
     return NO_AMX_CFLAGS if machine in ("x86_64", "AMD64") and "amx_tile" in flags else ""
@@ -163,7 +162,8 @@ def install(data_dir: Path, version: str = LLAMA_CPP_PYTHON, *, say: Any = print
     if info.returncode != 0:
         raise Unavailable(f"the built llama_cpp does not import:\n{info.stderr[-2000:]}")
     got_version, system_info = [*info.stdout.splitlines(), "", ""][:2]
-    record = {"version": got_version.strip(), "cmake_args": CMAKE_ARGS, "cflags": cflags, "system_info": system_info.strip(),
+    record = {"version": got_version.strip(), "cmake_args": CMAKE_ARGS, "cflags": cflags,
+              "system_info": system_info.strip(),
               "seconds": {"venv": round(t_venv, 1), "fetch_sdist": round(t_fetch, 1), "build": round(t_build, 1),
                           "converter_packages": round(t_conv, 1)},
               "cpus": os.cpu_count()}
@@ -172,11 +172,22 @@ def install(data_dir: Path, version: str = LLAMA_CPP_PYTHON, *, say: Any = print
     return Peer(root, version)
 
 
+def _built_with_other_flags(root: Path) -> bool:
+    """Whether `root` holds a complete install whose record names other flags than `build_cflags`."""
+    if not (root / "venv" / "bin" / "python").exists():
+        return False
+    try:
+        built_with = json.loads((root / INSTALL_RECORD).read_text()).get("cflags", "")
+    except (OSError, ValueError):
+        return False
+    return bool(built_with != build_cflags())
+
+
 def require_peer(data_dir: Path, version: str = LLAMA_CPP_PYTHON) -> Peer:
     peer = find_peer(data_dir, version)
     if peer is None:
         root = peer_root(data_dir, version)
-        if (root / INSTALL_RECORD).is_file():
+        if _built_with_other_flags(root):
             raise InvalidArgument(f"llama-cpp-python {version} under {root} was built with other compiler flags "
                                   f"than this machine needs (CFLAGS {build_cflags() or 'none'!r}); run `moetier "
                                   "bench peers --install` to rebuild it")
