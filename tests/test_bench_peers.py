@@ -72,7 +72,7 @@ def test_without_the_peer_it_says_how_to_install_it(tmp_path: Path, capsys: pyte
 
 
 def test_the_peer_is_built_without_amx_on_an_amx_cpu_and_a_build_with_other_flags_is_rebuilt(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert peer_mod.build_cflags("x86_64", {"avx512f", "amx_tile", "amx_int8"}) == peer_mod.NO_AMX_CFLAGS
     assert peer_mod.build_cflags("x86_64", {"avx2", "fma"}) == ""
     assert peer_mod.build_cflags("aarch64", {"amx_tile"}) == ""  # the -mno-amx flags are x86 GCC's

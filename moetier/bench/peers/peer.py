@@ -96,18 +96,22 @@ def peer_root(data_dir: Path, version: str = LLAMA_CPP_PYTHON) -> Path:
     return data_dir / "peers" / f"llama-cpp-python-{version}"
 
 
-def find_peer(data_dir: Path, version: str = LLAMA_CPP_PYTHON) -> Peer | None:
-    """The installed peer, or None when `install` has not completed (its record is written last)
-    or built it with other compiler flags than `build_cflags` gives on this machine."""
-    root = peer_root(data_dir, version)
-    if not (root / INSTALL_RECORD).is_file() or not (root / "venv" / "bin" / "python").exists():
+def _recorded_cflags(root: Path) -> str | None:
+    """The compiler flags the complete install under `root` was built with ("" where its record
+    predates them); None without a complete install (its record is written last)."""
+    if not (root / "venv" / "bin" / "python").exists():
         return None
-    peer = Peer(root, version)
     try:
-        built_with = peer.record.get("cflags", "")
+        return str(json.loads((root / INSTALL_RECORD).read_text()).get("cflags", ""))
     except (OSError, ValueError):
         return None
-    return peer if built_with == build_cflags() else None
+
+
+def find_peer(data_dir: Path, version: str = LLAMA_CPP_PYTHON) -> Peer | None:
+    """The installed peer, or None when `install` has not completed or built it with other
+    compiler flags than `build_cflags` gives on this machine."""
+    root = peer_root(data_dir, version)
+    return Peer(root, version) if _recorded_cflags(root) == build_cflags() else None
 
 
 def _run(argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> float:
@@ -172,25 +176,14 @@ def install(data_dir: Path, version: str = LLAMA_CPP_PYTHON, *, say: Any = print
     return Peer(root, version)
 
 
-def _built_with_other_flags(root: Path) -> bool:
-    """Whether `root` holds a complete install whose record names other flags than `build_cflags`."""
-    if not (root / "venv" / "bin" / "python").exists():
-        return False
-    try:
-        built_with = json.loads((root / INSTALL_RECORD).read_text()).get("cflags", "")
-    except (OSError, ValueError):
-        return False
-    return bool(built_with != build_cflags())
-
-
 def require_peer(data_dir: Path, version: str = LLAMA_CPP_PYTHON) -> Peer:
-    peer = find_peer(data_dir, version)
-    if peer is None:
-        root = peer_root(data_dir, version)
-        if _built_with_other_flags(root):
-            raise InvalidArgument(f"llama-cpp-python {version} under {root} was built with other compiler flags "
-                                  f"than this machine needs (CFLAGS {build_cflags() or 'none'!r}); run `moetier "
-                                  "bench peers --install` to rebuild it")
-        raise InvalidArgument(f"llama-cpp-python {version} is not installed under {root}; "
-                              "run `moetier bench peers --install` first (it builds llama.cpp from source)")
-    return peer
+    root = peer_root(data_dir, version)
+    built_with, needed = _recorded_cflags(root), build_cflags()
+    if built_with == needed:
+        return Peer(root, version)
+    if built_with is not None:
+        raise InvalidArgument(f"llama-cpp-python {version} under {root} was built with other compiler flags "
+                              f"than this machine needs (CFLAGS {needed or 'none'!r}); run `moetier "
+                              "bench peers --install` to rebuild it")
+    raise InvalidArgument(f"llama-cpp-python {version} is not installed under {root}; "
+                          "run `moetier bench peers --install` first (it builds llama.cpp from source)")
