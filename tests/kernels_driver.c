@@ -137,6 +137,48 @@ int main(void) {
             free(bias);
             free_qmat(&w);
         }
+    /* transposed per-head linears (mt_linear_t: one implementation for every path) beside
+     * mt_linear on each head's rows transposed to float32, under the same case name: the same bits */
+    for (int dt = 0; dt < 5; dt++) {
+        const int64_t H = 3, N = 40, S = 48, C = 100, g = dt == DT_MXFP4 ? MT_MX_GROUP : 16;
+        qmat w = make_qmat(dt, H * S, C, dt < DT_INT8 ? 0 : g);
+        float *rowbuf = mt_xalloc((size_t)(mt_rowbuf_len(&w) + 64) * 4), *wt = mt_xalloc((size_t)(C * N) * 4);
+        for (int64_t off = 0; off <= 8; off += 8)
+            for (int64_t T = 1; T <= 9; T += 4) {
+                const int64_t xs_h = N + 3, ys_h = C + 2;
+                float *x = floats(T * H * xs_h, 1.0f), *y = mt_xalloc((size_t)(T * H * ys_h) * 4);
+                float *xh = mt_xalloc((size_t)(T * N) * 4), *yh = mt_xalloc((size_t)(T * C) * 4);
+                snprintf(name, sizeof(name), "linear_t/%s/off%lld/T%lld", dts[dt], (long long)off, (long long)T);
+                memset(y, 0, (size_t)(T * H * ys_h) * 4);
+                mt_linear_t(2, x, H * xs_h, xs_h, T, H, N, &w, S, off, y, H * ys_h, ys_h);
+                float *got = mt_xalloc((size_t)(T * H * C) * 4);
+                for (int64_t t = 0; t < T; t++)
+                    for (int64_t h = 0; h < H; h++) memcpy(got + (t * H + h) * C, y + (t * H + h) * ys_h, (size_t)C * 4);
+                printf("%s linear_t %016llx\n", name, (unsigned long long)fnv(got, T * H * C));
+                for (int i = 0; mt_isas[i]; i++) {
+                    if (!mt_isas[i]->supported()) continue;
+                    for (int64_t h = 0; h < H; h++) {
+                        for (int64_t n = 0; n < N; n++) {
+                            mt_dequant_row_generic(&w, h * S + off + n, rowbuf);
+                            for (int64_t c = 0; c < C; c++) wt[c * N + n] = rowbuf[c];
+                        }
+                        qmat f = {.dtype = DT_F32, .data = (const uint8_t *)wt, .row_bytes = N * 4, .rows = C, .cols = N};
+                        for (int64_t t = 0; t < T; t++) memcpy(xh + t * N, x + t * H * xs_h + h * xs_h, (size_t)N * 4);
+                        if (mt_linear(mt_isas[i], 2, xh, T, &f, NULL, yh) != 0) return 2;
+                        for (int64_t t = 0; t < T; t++) memcpy(got + (t * H + h) * C, yh + t * C, (size_t)C * 4);
+                    }
+                    report(name, mt_isas[i], got, T * H * C);
+                }
+                free(x);
+                free(y);
+                free(xh);
+                free(yh);
+                free(got);
+            }
+        free(rowbuf);
+        free(wt);
+        free_qmat(&w);
+    }
     /* expert FFN: gate and up [I, D], down [D, I] */
     for (int dt = 2; dt < 5; dt++) {
         const int64_t D = 72, I = 40;

@@ -12,9 +12,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from moetier.kernels import FastOps, c_available, c_paths, idle_spin_us, park_helpers, set_idle_spin, warmup
+from moetier.kernels import (
+    FastOps,
+    c_available,
+    c_paths,
+    fast,
+    idle_spin_us,
+    park_helpers,
+    set_idle_spin,
+    warmup,
+)
 from moetier.kernels.fast import Backend
-from moetier.model.ops import ReferenceOps, combine_slots
+from moetier.model.ops import ReferenceOps, combine_slots, head_linears
 from moetier.weights.quant import (
     ExpertAct,
     ExpertWeights,
@@ -70,6 +79,37 @@ def test_linear_matches_reference(ops: FastOps, dtype: str, rows: int, cols: int
         x = rand(rng, t, cols)
         close(REF.linear(x, w), ops.linear(x, w))
         close(REF.linear(x, w, bias), ops.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_linears_give_the_bits_of_linear_on_each_heads_rows(ops: FastOps, dtype: str) -> None:
+    """MLA's absorption reads the stored kv_b rows per head, transposed (the rows are inputs)
+    or not: the bits of `linear` on each head's rows (transposed: as float32), exact in either
+    activation setting, on both sides of the transposed kernel's row limit, other output
+    columns untouched; the reference ops agree to rounding."""
+    rng = np.random.default_rng(11)
+    heads, n, dv, c = 3, 40, 24, 100  # n: not a multiple of 16; c: not a multiple of 64
+    w = quantize(rand(rng, heads * (n + dv), c) * 0.05, dtype, 32 if dtype == "mxfp4" else 16)
+    exact = FastOps(ops.backend, threads=2)
+    variants = [ops] + ([FastOps(ops.backend, threads=2, activations="int8")] if ops.backend != "numba" else [])
+    for t in (1, 4, 5, 17, fast.LINEAR_T_MAX_ROWS + 1):
+        x = rand(rng, t, heads, n + 7)
+        xc = rand(rng, t, heads, c)
+        want_t = np.empty((t, heads, c), dtype=np.float32)
+        want = np.empty((t, heads, dv), dtype=np.float32)
+        for h in range(heads):
+            rows = w.dequantize()[h * (n + dv):(h + 1) * (n + dv)]
+            want_t[:, h] = exact.linear(np.ascontiguousarray(x[:, h, :n]), quantize(np.ascontiguousarray(rows[:n].T), "f32"))
+            want[:, h] = exact.linear(np.ascontiguousarray(xc[:, h]), quantize(rows[n:], "f32"))
+        for o in variants:
+            out = np.full((t, heads, c + 3), 7.0, dtype=np.float32)
+            assert head_linears(o, x, w, n + dv, 0, n, transposed=True, out=out) is out
+            assert same_bits(out[:, :, :c], want_t) and (out[:, :, c:] == 7.0).all(), (o, t)
+            assert same_bits(head_linears(o, xc, w, n + dv, n, dv, transposed=False), want), (o, t)
+        close(want_t, head_linears(REF, x, w, n + dv, 0, n, transposed=True))
+        close(want, head_linears(REF, xc, w, n + dv, n, dv, transposed=False))
+    with pytest.raises(ValueError, match="heads of"):
+        ops.head_linears(rand(rng, 1, heads, n), w, n + dv, dv + 1, n, transposed=True)
 
 
 def test_rmsnorm_softmax_match_reference(ops: FastOps) -> None:

@@ -30,8 +30,8 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from moetier.model.ops import combine_slots, install_c_steps, unique_ids
-from moetier.weights.quant import MXFP4_GROUP, QDTYPES, ExpertWeights, QTensor
+from moetier.model.ops import combine_slots, head_linears_by_head, install_c_steps, unique_ids
+from moetier.weights.quant import MXFP4_GROUP, QDTYPES, ExpertWeights, QTensor, row_block
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "nu
 BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "mxfp4": 4}
 
-C_KERNELS_VERSION = 15  # MT_KERNELS_VERSION in csrc/mt.h
+C_KERNELS_VERSION = 16  # MT_KERNELS_VERSION in csrc/mt.h
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
@@ -184,6 +184,12 @@ def _f32(a: Any, name: str) -> F32:
 
 
 _SPEC = "_fastops_spec"  # where a QTensor keeps its checked shape and kernel spec (see _spec)
+# Rows up to which FastOps.head_linears runs the transposed kernel (linear_t); above, a float32
+# copy of each W_h.T and the tiled linear (the same bits). Measured, 2 threads, Intel Xeon
+# (AVX-512), MLA's 16 heads x 128 x 512 int8: linear_t 112 / 1627 / 3013 / 6396 us at 1 / 32 /
+# 64 / 128 rows, the copy + linear 2492 / 3287 / 5092 us at 32 / 64 / 128.
+LINEAR_T_MAX_ROWS = 96
+_HEADS = "_fastops_heads"  # where it keeps the specs of its per-head row blocks (FastOps.head_linears)
 
 
 def _spec(w: QTensor, name: str) -> tuple[int, int, tuple[int, np.ndarray, np.ndarray | None, int]]:
@@ -444,6 +450,47 @@ class FastOps:
         bias, out = _linear_args(x, w, bias, "linear")
         if x.shape[0] and out.shape[1]:
             self._k.linear(x, w, bias, out)
+        return out
+
+    def head_linears(self, x: F32, w: QTensor, stride: int, offset: int, rows: int, *, transposed: bool,
+                     out: F32 | None = None) -> F32:
+        """moetier.model.ops.head_linears: per head, the stored rows w[h * stride + offset :
+        + rows] (transposed: used as inputs, one kernel call for every head, no float32 copy),
+        exact activations in either setting."""
+        x = _f32(x, "x")
+        _, cols, spec = _spec(w, "w")
+        if x.ndim != 3:
+            raise ValueError(f"head_linears: x must be [T, H, *], got {x.shape}")
+        t, heads, xw = x.shape
+        n_in, n_out = (rows, cols) if transposed else (cols, rows)
+        if stride < rows or offset < 0 or (heads - 1) * stride + offset + rows > w.shape[0] or xw < n_in:
+            raise ValueError(f"head_linears: {heads} heads of {rows} rows (stride {stride}, offset {offset}) "
+                             f"of w {w.shape} with x {x.shape}")
+        if out is None:
+            out = np.empty((t, heads, n_out), dtype=np.float32)
+        elif (out.dtype != np.float32 or not out.flags.c_contiguous or out.ndim != 3
+              or out.shape[:2] != (t, heads) or out.shape[2] < n_out):
+            raise ValueError(f"head_linears: out must be C-contiguous float32 [{t}, {heads}, >= {n_out}], "
+                             f"got {out.dtype} {out.shape}")
+        if not t:
+            return out
+        if not isinstance(self._k, _CBackend) or (transposed and t > LINEAR_T_MAX_ROWS):
+            return head_linears_by_head(self.linear, x, w, stride, offset, rows, transposed=transposed, out=out)
+        k = self._k
+        if transposed:
+            k.mod.linear_t(x, heads * xw, xw, t, heads, rows, spec, w.shape[0], cols, stride, offset, out,
+                           heads * out.shape[2], out.shape[2], k.threads)
+            return out
+        blocks: dict[tuple[int, int, int, int], list[Any]] = w.__dict__.setdefault(_HEADS, {})
+        specs = blocks.get((heads, stride, offset, rows))
+        if specs is None:  # checked once per tensor and layout, like _spec
+            specs = [_spec(row_block(w, h * stride + offset, rows), "w")[2] for h in range(heads)]
+            blocks[(heads, stride, offset, rows)] = specs
+        y = np.empty((t, rows), dtype=np.float32)
+        for h in range(heads):  # exact: the int8-activation contract is for the model's own linears
+            k.mod.linear(np.ascontiguousarray(x[:, h, :cols]), t, cols, rows, specs[h], None, y, k.isa,
+                         k.threads, False)
+            out[:, h, :rows] = y
         return out
 
     def linears(self, x: F32, ws: Sequence[tuple[QTensor, F32 | None]]) -> list[F32]:

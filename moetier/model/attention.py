@@ -29,10 +29,10 @@ import numpy.typing as npt
 
 from moetier.model.config import ModelArgs
 from moetier.model.kv_cache import KVCache
-from moetier.model.ops import Ops, linears
+from moetier.model.ops import Ops, head_linears, linears
 from moetier.model.rope import Rope
 from moetier.model.weights import vector
-from moetier.weights.quant import QTensor, quantize
+from moetier.weights.quant import QTensor
 
 F32 = npt.NDArray[np.float32]
 
@@ -129,13 +129,13 @@ class MlaAttention:
             self.q_a_norm = vector(dense[f"{p}.q_a_norm"])
         self.wkv_a, self.wo = dense[f"{p}.wkv_a"], dense[f"{p}.wo"]
         self.kv_a_norm = vector(dense[f"{p}.kv_a_norm"])
-        # Absorption matrices, per head, float32 whatever wkv_b is stored as:
-        #   uk_t[h] = W_UK_h^T [C, N] (q_nope [n, N] -> latent query [n, C]),
-        #   uv[h]   = W_UV_h   [Dv, C] (latent context [n, C] -> head output [n, Dv]).
+        # The absorption matrices are read in place from the stored wkv_b [H * (N + Dv), C] (head h's
+        # rows: W_UK_h [N, C], then W_UV_h [Dv, C]), as stored (no float32 copy; head_linears):
+        #   q_nope [n, N] @ W_UK_h -> latent query [n, C]; latent context [n, C] @ W_UV_h^T -> [n, Dv].
+        self.wkv_b = dense[f"{p}.wkv_b"]
         n, dv, c = args.qk_nope_head_dim, args.v_head_dim, args.kv_lora_rank
-        wkv_b = dense[f"{p}.wkv_b"].dequantize().reshape(args.num_heads, n + dv, c)  # [H, N + Dv, C]
-        self.uk_t = [quantize(np.ascontiguousarray(w[:n].T), "f32") for w in wkv_b]
-        self.uv = [quantize(np.ascontiguousarray(w[n:]), "f32") for w in wkv_b]
+        if self.wkv_b.shape != (args.num_heads * (n + dv), c):
+            raise ValueError(f"{p}.wkv_b has shape {self.wkv_b.shape}, want {(args.num_heads * (n + dv), c)}")
 
     def _query(self, ops: Ops, h: F32) -> tuple[F32, F32 | None]:
         """(q [T, H*(N+R)], the normed q latent q_a [T, Q] or None without q_lora)."""
@@ -157,8 +157,8 @@ class MlaAttention:
         latent = np.concatenate([c_kv, k_pe], axis=-1)  # [T, C + R]
 
         query = np.empty((t, heads, c + a.qk_rope_head_dim), dtype=np.float32)  # [T, H, C + R]
-        for i in range(heads):
-            query[:, i, :c] = ops.linear(np.ascontiguousarray(q[:, i, :n]), self.uk_t[i])  # [T, C]
+        head_linears(ops, np.ascontiguousarray(q), self.wkv_b, n + a.v_head_dim, 0, n, transposed=True,
+                     out=query)  # query[:, h, :C] = q_nope[:, h] @ W_UK_h
         query[:, :, c:] = q_pe
         return query, latent, q_a
 
@@ -177,9 +177,9 @@ class MlaAttention:
         """Latent context [T, H, C] -> [T, D]."""
         a = self.args
         t, heads = ctx.shape[:2]
-        out = np.empty((t, heads, a.v_head_dim), dtype=np.float32)  # [T, H, Dv]
-        for i in range(heads):
-            out[:, i] = ops.linear(np.ascontiguousarray(ctx[:, i]), self.uv[i])  # [T, Dv]
+        n = a.qk_nope_head_dim
+        out = head_linears(ops, np.ascontiguousarray(ctx), self.wkv_b, n + a.v_head_dim, n, a.v_head_dim,
+                           transposed=False)  # [T, H, Dv]: ctx[:, h] @ W_UV_h^T
         return ops.linear(out.reshape(t, heads * a.v_head_dim), self.wo)  # [T, D]
 
     def __call__(self, ops: Ops, h: F32, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from moetier.weights.quant import ExpertWeights, QTensor
+from moetier.weights.quant import ExpertWeights, QTensor, quantize, row_block
 
 F32 = npt.NDArray[np.float32]
 
@@ -126,6 +126,43 @@ def start_moe(experts: ExpertProvider, layer: int, x: F32, ids: npt.NDArray[np.i
         call: MoeCall = begin(layer, x, ids, weights)
         return call
     return DoneCall(experts.moe(layer, x, ids, weights))
+
+
+def head_linears(ops: Ops, x: F32, w: QTensor, stride: int, offset: int, rows: int, *, transposed: bool,
+                 out: F32 | None = None) -> F32:
+    """Per head h of x [T, H, *], a linear with the stored rows W_h = w[h * stride + offset :
+    + rows] (MLA's absorption matrices, read in place from the stored kv_b projection):
+
+      transposed=False: out[t, h, :rows] = x[t, h, :C] @ W_h.T           (W_h [rows, C])
+      transposed=True:  out[t, h, :C]    = x[t, h, :rows] @ W_h           (the rows are the inputs)
+
+    x and out are C-contiguous [T, H, *] (out: [T, H, rows or C] when None; wider arrays keep
+    their other columns). The bits are `ops.linear`'s with W_h (transposed: W_h.T as float32),
+    exact activations whatever the ops' setting, and the ops' own implementation where they have
+    one (FastOps.head_linears: the stored rows without a float32 copy)."""
+    own = getattr(ops, "head_linears", None)
+    if own is not None:
+        result: F32 = own(x, w, stride, offset, rows, transposed=transposed, out=out)
+        return result
+    return head_linears_by_head(ops.linear, x, w, stride, offset, rows, transposed=transposed, out=out)
+
+
+def head_linears_by_head(linear: Callable[[F32, QTensor], F32], x: F32, w: QTensor, stride: int, offset: int,
+                         rows: int, *, transposed: bool, out: F32 | None = None) -> F32:
+    """`head_linears` one head at a time through `linear` (transposed: a float32 copy of W_h.T
+    per call, the values the stored rows dequantize to)."""
+    t, heads = x.shape[:2]
+    cols = w.shape[1]
+    if out is None:
+        out = np.empty((t, heads, cols if transposed else rows), dtype=np.float32)
+    for h in range(heads):
+        wh = row_block(w, h * stride + offset, rows)
+        if transposed:
+            wt = quantize(np.ascontiguousarray(wh.dequantize().T), "f32")
+            out[:, h, :cols] = linear(np.ascontiguousarray(x[:, h, :rows]), wt)
+        else:
+            out[:, h, :rows] = linear(np.ascontiguousarray(x[:, h, :cols]), wh)
+    return out
 
 
 def linears(ops: Ops, x: F32, ws: Sequence[tuple[QTensor, F32 | None]]) -> list[F32]:

@@ -76,6 +76,15 @@ class QTensor:
         return dequantize(self)
 
 
+def row_block(w: QTensor, start: int, rows: int) -> QTensor:
+    """Rows [start, start + rows) of a stored matrix, as a QTensor over the same memory (its data
+    and scales rows: no copy). Dequantizes to exactly those rows of `w.dequantize()`."""
+    if len(w.shape) != 2 or not 0 <= start <= start + rows <= w.shape[0] or rows < 1:
+        raise ValueError(f"rows [{start}, {start + rows}) of a matrix of shape {w.shape}")
+    scales = None if w.scales is None else w.scales[start:start + rows]
+    return QTensor(w.dtype, (rows, w.shape[1]), w.data[start:start + rows], scales, w.group_size)
+
+
 def _padded(cols: int, group_size: int) -> int:
     return -(-cols // group_size) * group_size
 

@@ -212,3 +212,127 @@ const mt_isa mt_isa_generic = {
     .fma_probe = fma_probe_generic,
     .read_probe = read_probe_generic,
 };
+
+/* ---------------------------------------------------------------- transposed linears
+ * y[t, h, c] = sum over n < N of x[t, h, n] * W[h * S + off + n, c]: per head h, a block of
+ * N rows of a stored matrix W [*, C] used transposed (its rows are the inputs). MLA's
+ * absorbed query (W_UK_h^T, moetier/model/attention.py) is one, read from the stored rows
+ * instead of a float32 copy of each transposed block. The bits are the linear contract's
+ * (tile_generic) for the matrix W_h^T [C, N]: per output, 16 lanes, lane l the fmaf chain
+ * over n = l, l + 16, ... in order (the tail past N read as 0 * 0), then mt_hsum16. Each
+ * weight is its dequantized value, exactly what mt_dequant_row_generic gives. One
+ * implementation for every path (vectorized over c by the compiler, the AVX2 clone on x86),
+ * so every path gives the same bits. */
+#define LT_TB 4  /* tokens per block */
+#define LT_CB 64 /* columns per chunk */
+
+typedef struct {
+    const float *x;
+    int64_t xs_t, xs_h; /* x[t, h, n] at x[t * xs_t + h * xs_h + n] */
+    int64_t T, N, C, S, off;
+    const qmat *w;
+    float *y;
+    int64_t ys_t, ys_h; /* y[t, h, c] at y[t * ys_t + h * ys_h + c] */
+    int64_t ncb;        /* column chunks per head */
+} lt_ctx;
+
+/* The dequantized values of row r, columns [c0, c0 + n) (mt_dequant_row_generic's), the
+ * columns cut at group boundaries once per chunk: segment i is [cut[i], cut[i + 1]), group gid[i]. */
+static inline void span_values(const qmat *w, int64_t r, int64_t c0, int nseg, const int *cut, const int64_t *gid,
+                               float *out) {
+    const uint8_t *row = w->data + r * w->row_bytes;
+    if (w->dtype == DT_F32) {
+        memcpy(out, row + 4 * c0, (size_t)cut[nseg] * 4);
+        return;
+    }
+    if (w->dtype == DT_BF16) {
+        const uint16_t *b = (const uint16_t *)(const void *)(row) + c0; /* rows are 2-byte aligned */
+        uint32_t *o = (uint32_t *)(void *)out;
+        for (int i = 0; i < cut[nseg]; i++) o[i] = (uint32_t)b[i] << 16;
+        return;
+    }
+    for (int s = 0; s < nseg; s++) {
+        const int64_t gi = gid[s];
+        const int a = cut[s], e = cut[s + 1];
+        if (w->dtype == DT_INT8) {
+            const float sc = mt_f16(w->scales[r * w->ngroups + gi]);
+            const int8_t *q = (const int8_t *)(row + c0);
+            for (int i = a; i < e; i++) out[i] = (float)q[i] * sc;
+        } else if (w->dtype == DT_INT4) {
+            const float sc = mt_f16(w->scales[r * w->ngroups + gi]);
+            for (int i = a; i < e; i++) {
+                const int64_t c = c0 + i;
+                const int q = (c & 1) ? row[c >> 1] >> 4 : row[c >> 1] & 15;
+                out[i] = (float)(q - 8) * sc;
+            }
+        } else {
+            const float sc = mt_e8m0(w->escales[r * w->ngroups + gi]);
+            for (int i = a; i < e; i++) {
+                const int64_t c = c0 + i;
+                out[i] = mt_e2m1[(c & 1) ? row[c >> 1] >> 4 : row[c >> 1] & 15] * sc;
+            }
+        }
+    }
+}
+
+MT_CLONES static void linear_t_chunk(void *vctx, int64_t chunk) {
+    const lt_ctx *k = vctx;
+    const int64_t h = chunk / k->ncb, c0 = (chunk % k->ncb) * LT_CB;
+    const int cn = (int)(k->C - c0 < LT_CB ? k->C - c0 : LT_CB);
+    const int64_t n16 = mt_round16(k->N);
+    int cut[LT_CB + 1], nseg = 0;
+    int64_t gid[LT_CB];
+    if (k->w->g > 0) { /* quantized: cut at group boundaries */
+        for (int i = 0; i < cn;) {
+            const int64_t gi = (c0 + i) / k->w->g;
+            const int64_t e = (gi + 1) * k->w->g - c0;
+            cut[nseg] = i;
+            gid[nseg++] = gi;
+            i = e < cn ? (int)e : cn;
+        }
+    } else {
+        cut[0] = 0;
+        gid[nseg++] = 0;
+    }
+    cut[nseg] = cn;
+    float acc[LT_TB][16][LT_CB];
+    float wv[LT_CB];
+    for (int64_t t0 = 0; t0 < k->T; t0 += LT_TB) {
+        const int tb = (int)(k->T - t0 < LT_TB ? k->T - t0 : LT_TB);
+        memset(acc, 0, (size_t)tb * sizeof(acc[0]));
+        for (int64_t n = 0; n < n16; n++) {
+            const int l = (int)(n & 15);
+            if (n < k->N) {
+                span_values(k->w, h * k->S + k->off + n, c0, nseg, cut, gid, wv);
+                for (int j = 0; j < tb; j++) {
+                    const float xv = k->x[(t0 + j) * k->xs_t + h * k->xs_h + n];
+                    float *a = acc[j][l];
+                    for (int c = 0; c < cn; c++) a[c] = fmaf(wv[c], xv, a[c]);
+                }
+            } else {
+                for (int j = 0; j < tb; j++) {
+                    float *a = acc[j][l];
+                    for (int c = 0; c < cn; c++) a[c] = fmaf(0.0f, 0.0f, a[c]);
+                }
+            }
+        }
+        for (int j = 0; j < tb; j++) { /* mt_hsum16 over the lanes, per column */
+            float (*a)[LT_CB] = acc[j];
+            for (int i = 0; i < 8; i++)
+                for (int c = 0; c < cn; c++) a[i][c] = a[i][c] + a[i + 8][c];
+            for (int i = 0; i < 4; i++)
+                for (int c = 0; c < cn; c++) a[i][c] = a[i][c] + a[i + 4][c];
+            for (int i = 0; i < 2; i++)
+                for (int c = 0; c < cn; c++) a[i][c] = a[i][c] + a[i + 2][c];
+            float *yr = k->y + (t0 + j) * k->ys_t + h * k->ys_h + c0;
+            for (int c = 0; c < cn; c++) yr[c] = a[0][c] + a[1][c];
+        }
+    }
+}
+
+void mt_linear_t(int nthreads, const float *x, int64_t xs_t, int64_t xs_h, int64_t T, int64_t H, int64_t N,
+                 const qmat *w, int64_t S, int64_t off, float *y, int64_t ys_t, int64_t ys_h) {
+    lt_ctx k = {x, xs_t, xs_h, T, N, w->cols, S, off, w, y, ys_t, ys_h, (w->cols + LT_CB - 1) / LT_CB};
+    if (T <= 0 || H <= 0 || w->cols <= 0) return;
+    mt_pool_run(nthreads, H * k.ncb, linear_t_chunk, &k);
+}

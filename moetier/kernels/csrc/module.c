@@ -142,6 +142,39 @@ fail:
     return NULL;
 }
 
+/* linear_t(x, xs_t, xs_h, T, H, N, (dtype, data, scales, g), rows, C, S, off, out, ys_t, ys_h,
+ * threads): per head, x's N inputs times N stored rows of W used transposed (mt_linear_t). */
+static PyObject *py_linear_t(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *wspec, *yo;
+    long long xs_t, xs_h, T, H, N, R, C, S, off, ys_t, ys_h;
+    int nthreads;
+    if (!PyArg_ParseTuple(args, "OLLLLLOLLLLOLLi", &xo, &xs_t, &xs_h, &T, &H, &N, &wspec, &R, &C, &S, &off, &yo,
+                          &ys_t, &ys_h, &nthreads))
+        return NULL;
+    if (T < 1 || H < 1 || N < 1 || C < 1 || S < N || off < 0 || (H - 1) * S + off + N > R || xs_h < N ||
+        xs_t < (H - 1) * xs_h + N || ys_h < C || ys_t < (H - 1) * ys_h + C) {
+        PyErr_Format(PyExc_ValueError, "linear_t: inconsistent shape or strides (T %lld, H %lld, N %lld, R %lld, "
+                     "C %lld, S %lld, off %lld)", T, H, N, R, C, S, off);
+        return NULL;
+    }
+    bufset bs = {.n = 0};
+    qmat w;
+    const float *x;
+    float *y;
+    if (parse_qmat(&bs, wspec, R, C, &w, "w") < 0) goto fail;
+    if (!(x = get_buf(&bs, xo, ((T - 1) * xs_t + (H - 1) * xs_h + N) * 4, 0, "x"))) goto fail;
+    if (!(y = get_buf(&bs, yo, ((T - 1) * ys_t + (H - 1) * ys_h + C) * 4, 1, "out"))) goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    mt_linear_t(nthreads, x, xs_t, xs_h, T, H, N, &w, S, off, y, ys_t, ys_h);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    Py_RETURN_NONE;
+fail:
+    bufset_release(&bs);
+    return NULL;
+}
+
 /* linears(x, T, C, [(R, (dtype, data, scales, g), bias or None, out)], isa, threads, q8): several
  * linears of one x in one job (mt_linears). */
 static PyObject *py_linears(PyObject *self, PyObject *args) {
@@ -544,6 +577,8 @@ static PyObject *py_pool_park(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"linear", py_linear, METH_VARARGS,
      "linear(x, T, C, R, (dtype, data, scales, g), bias, out, isa, threads, int8_activations=False)"},
+    {"linear_t", py_linear_t, METH_VARARGS,
+     "linear_t(x, xs_t, xs_h, T, H, N, w, R, C, S, off, out, ys_t, ys_h, threads): per-head transposed linears"},
     {"linears", py_linears, METH_VARARGS,
      "linears(x, T, C, [(R, (dtype, data, scales, g), bias, out)], isa, threads, int8_activations=False): "
      "several linears of one x in one job"},

@@ -74,7 +74,7 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 15
+#define MT_KERNELS_VERSION 16
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
@@ -298,6 +298,11 @@ void mt_dequant_row_generic(const qmat *w, int64_t r, float *buf);
 void mt_linear_block_tiles(const linear_ctx *k, int64_t r0, float *buf,
                            const float *(*row_values)(const qmat *, int64_t, float *), tile_fn tile);
 float mt_hsum16(const float *a);
+/* Per head h < H: y[t, h, :] = x[t, h, :N] @ W[h * S + off : h * S + off + N, :] (the rows used
+ * transposed; strides in floats). The linear contract's bits for that transposed matrix on
+ * every path (generic.c). */
+void mt_linear_t(int nthreads, const float *x, int64_t xs_t, int64_t xs_h, int64_t T, int64_t H, int64_t N,
+                 const qmat *w, int64_t S, int64_t off, float *y, int64_t ys_t, int64_t ys_h);
 
 /* ---------------------------------------------------------------- the operations (ops.c) */
 
