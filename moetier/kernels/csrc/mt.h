@@ -177,14 +177,20 @@ typedef void (*tile_fn)(int tb, const float *const *xr, const float *const *wr, 
  * for dequantized rows, then MT_STATE_TOKENS * RB * 16 for accumulators kept between
  * column blocks (see x86_avx2.c). */
 #define MT_STATE_TOKENS 96
+#ifndef MT_PAIR_COLS
+#define MT_PAIR_COLS 512 /* columns of a pair's dequantized block */
+#endif
+#define MT_PAIR_BUF (2 * RB * MT_PAIR_COLS + MT_STATE_TOKENS * 2 * RB * 16)
 typedef struct mt_isa {
     const char *name;
     int (*supported)(void);
     /* output rows [r0, r0 + RB) (clipped to R) of every token */
     void (*linear_block)(const linear_ctx *k, int64_t r0, float *buf);
     /* optional: rows [r0, r0 + 2 * RB) at once, where the ISA does them faster than block by
-     * block (one token: more independent accumulators); 1 where done, 0 where not its case */
-    int (*linear_pair)(const linear_ctx *k, int64_t r0);
+     * block (one token: more independent accumulators; many: each token's columns read once
+     * per 2 * RB rows); 1 where done, 0 where not its case. buf: the 64-byte aligned buffer of
+     * linear_block, at least MT_PAIR_BUF floats. */
+    int (*linear_pair)(const linear_ctx *k, int64_t r0, float *buf);
     /* optional: the whole linear for T >= many_min tokens (its own split into chunks);
      * returns 0 or -1 (no memory) */
     int (*linear_many)(int nthreads, const float *x, int64_t T, const qmat *w, const float *bias, float *y);

@@ -151,7 +151,8 @@ static void linear_chunk(void *ctx, int64_t chunk) {
         (k->isa->q8_rows ? k->isa->q8_rows : mt_q8_rows_generic)(k->q8, r0, r1 - r0);
         return;
     }
-    float *buf = mt_scratch(4, (size_t)(RB * k->blen + MT_STATE_TOKENS * RB * 16));
+    const int64_t nbuf = RB * k->blen + MT_STATE_TOKENS * RB * 16;
+    float *buf = mt_scratch(4, (size_t)(nbuf > MT_PAIR_BUF ? nbuf : MT_PAIR_BUF));
     if (!buf) {
         atomic_store(&k->failed, 1);
         return;
@@ -167,7 +168,7 @@ static void linear_chunk(void *ctx, int64_t chunk) {
         }
     }
     for (int64_t b = b0; b < b1;) {
-        if (b + 1 < b1 && k->isa->linear_pair && k->isa->linear_pair(k, b * RB)) {
+        if (b + 1 < b1 && k->isa->linear_pair && k->isa->linear_pair(k, b * RB, buf)) {
             b += 2;
             continue;
         }
@@ -214,8 +215,9 @@ static int linears_run(int nthreads, linear_ctx *k, int nk) {
         j.k[i] = &k[i];
         nb[i] = (k[i].w->rows + RB - 1) / RB;
         bpc[i] = blocks_per_chunk(k[i].w, k[i].T, k[i].T == 1 && (k[i].xp != NULL || k[i].q8 != NULL));
-        /* the int8-activation kernels work in tiles of 16 rows (x86_vnni.c) */
-        gran[i] = k[i].q8 ? 16 / RB : 1;
+        /* the int8-activation kernels work in tiles of 16 rows (x86_vnni.c); an ISA's pairs of
+         * blocks, where it has them, for many tokens */
+        gran[i] = k[i].q8 ? 16 / RB : k[i].T > TBMAX && k[i].isa->linear_pair ? 2 : 1;
     }
     const int64_t nchunks = plan_chunks(&j, nb, bpc, gran, nk, nthreads > 1 ? nthreads : 1);
     mt_pool_run(nthreads, nchunks, linear_chunk, &j);
