@@ -108,6 +108,20 @@ def test_head_linears_give_the_bits_of_linear_on_each_heads_rows(ops: FastOps, d
             assert same_bits(head_linears(o, xc, w, n + dv, n, dv, transposed=False), want), (o, t)
         close(want_t, head_linears(REF, x, w, n + dv, 0, n, transposed=True))
         close(want, head_linears(REF, xc, w, n + dv, n, dv, transposed=False))
+    # more heads than one job of the kernels takes (64), columns in multiples of 16 (the SIMD
+    # paths' own int4 order), x wider than the rows and out wider than a head's output
+    heads, n, dv, c = 66, 16, 24, 128
+    w = quantize(rand(rng, heads * (n + dv), c) * 0.05, dtype, 32)
+    deq = w.dequantize()
+    for t in (1, 13):
+        xc = rand(rng, t, heads, c + 5)
+        want = np.stack([exact.linear(np.ascontiguousarray(xc[:, h, :c]),
+                                      quantize(deq[h * (n + dv) + n:(h + 1) * (n + dv)], "f32"))
+                         for h in range(heads)], axis=1)
+        for o in variants:
+            out = np.full((t, heads, dv + 2), 7.0, dtype=np.float32)
+            head_linears(o, xc, w, n + dv, n, dv, transposed=False, out=out)
+            assert same_bits(out[:, :, :dv], want) and (out[:, :, dv:] == 7.0).all(), (o, t)
     with pytest.raises(ValueError, match="heads of"):
         ops.head_linears(rand(rng, 1, heads, n), w, n + dv, dv + 1, n, transposed=True)
 

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from moetier.model.ops import combine_slots, head_linears_by_head, install_c_steps, unique_ids
-from moetier.weights.quant import MXFP4_GROUP, QDTYPES, ExpertWeights, QTensor, row_block
+from moetier.weights.quant import MXFP4_GROUP, QDTYPES, ExpertWeights, QTensor
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,6 @@ _SPEC = "_fastops_spec"  # where a QTensor keeps its checked shape and kernel sp
 # (AVX-512), MLA's 16 heads x 128 x 512 int8: linear_t 112 / 1627 / 3013 / 6396 us at 1 / 32 /
 # 64 / 128 rows, the copy + linear 2492 / 3287 / 5092 us at 32 / 64 / 128.
 LINEAR_T_MAX_ROWS = 96
-_HEADS = "_fastops_heads"  # where it keeps the specs of its per-head row blocks (FastOps.head_linears)
 
 
 def _spec(w: QTensor, name: str) -> tuple[int, int, tuple[int, np.ndarray, np.ndarray | None, int]]:
@@ -455,7 +454,7 @@ class FastOps:
     def head_linears(self, x: F32, w: QTensor, stride: int, offset: int, rows: int, *, transposed: bool,
                      out: F32 | None = None) -> F32:
         """moetier.model.ops.head_linears: per head, the stored rows w[h * stride + offset :
-        + rows] (transposed: used as inputs, one kernel call for every head, no float32 copy),
+        + rows], one kernel call for every head, no float32 copy (transposed: used as inputs),
         exact activations in either setting."""
         x = _f32(x, "x")
         _, cols, spec = _spec(w, "w")
@@ -481,16 +480,9 @@ class FastOps:
             k.mod.linear_t(x, heads * xw, xw, t, heads, rows, spec, w.shape[0], cols, stride, offset, out,
                            heads * out.shape[2], out.shape[2], k.threads)
             return out
-        blocks: dict[tuple[int, int, int, int], list[Any]] = w.__dict__.setdefault(_HEADS, {})
-        specs = blocks.get((heads, stride, offset, rows))
-        if specs is None:  # checked once per tensor and layout, like _spec
-            specs = [_spec(row_block(w, h * stride + offset, rows), "w")[2] for h in range(heads)]
-            blocks[(heads, stride, offset, rows)] = specs
-        y = np.empty((t, rows), dtype=np.float32)
-        for h in range(heads):  # exact: the int8-activation contract is for the model's own linears
-            k.mod.linear(np.ascontiguousarray(x[:, h, :cols]), t, cols, rows, specs[h], None, y, k.isa,
-                         k.threads, False)
-            out[:, h, :rows] = y
+        # exact: the int8-activation contract is for the model's own linears
+        k.mod.head_linears(x, heads * xw, xw, t, heads, rows, spec, w.shape[0], cols, stride, offset, out,
+                           heads * out.shape[2], out.shape[2], k.isa, k.threads)
         return out
 
     def linears(self, x: F32, ws: Sequence[tuple[QTensor, F32 | None]]) -> list[F32]:

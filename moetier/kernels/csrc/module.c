@@ -175,6 +175,43 @@ fail:
     return NULL;
 }
 
+/* head_linears(x, xs_t, xs_h, T, H, N, w, R, C, S, off, out, ys_t, ys_h, isa, threads): per head, linear
+ * on the head's N rows of w (mt_head_linears). */
+static PyObject *py_head_linears(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *wspec, *yo;
+    long long xs_t, xs_h, T, H, N, R, C, S, off, ys_t, ys_h;
+    int isa_i, nthreads;
+    if (!PyArg_ParseTuple(args, "OLLLLLOLLLLOLLii", &xo, &xs_t, &xs_h, &T, &H, &N, &wspec, &R, &C, &S, &off, &yo,
+                          &ys_t, &ys_h, &isa_i, &nthreads))
+        return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    if (T < 1 || H < 1 || N < 1 || C < 1 || S < N || off < 0 || (H - 1) * S + off + N > R || xs_h < C ||
+        xs_t < (H - 1) * xs_h + C || ys_h < N || ys_t < (H - 1) * ys_h + N) {
+        PyErr_Format(PyExc_ValueError, "head_linears: inconsistent shape or strides (T %lld, H %lld, N %lld, "
+                     "R %lld, C %lld, S %lld, off %lld)", T, H, N, R, C, S, off);
+        return NULL;
+    }
+    bufset bs = {.n = 0};
+    qmat w;
+    const float *x;
+    float *y;
+    int rc;
+    if (parse_qmat(&bs, wspec, R, C, &w, "w") < 0) goto fail;
+    if (!(x = get_buf(&bs, xo, ((T - 1) * xs_t + (H - 1) * xs_h + C) * 4, 0, "x"))) goto fail;
+    if (!(y = get_buf(&bs, yo, ((T - 1) * ys_t + (H - 1) * ys_h + N) * 4, 1, "out"))) goto fail;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mt_head_linears(isa, nthreads, x, xs_t, xs_h, T, H, &w, S, off, N, y, ys_t, ys_h);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+fail:
+    bufset_release(&bs);
+    return NULL;
+}
+
 /* linears(x, T, C, [(R, (dtype, data, scales, g), bias or None, out)], isa, threads, q8): several
  * linears of one x in one job (mt_linears). */
 static PyObject *py_linears(PyObject *self, PyObject *args) {
@@ -579,6 +616,9 @@ static PyMethodDef methods[] = {
      "linear(x, T, C, R, (dtype, data, scales, g), bias, out, isa, threads, int8_activations=False)"},
     {"linear_t", py_linear_t, METH_VARARGS,
      "linear_t(x, xs_t, xs_h, T, H, N, w, R, C, S, off, out, ys_t, ys_h, threads): per-head transposed linears"},
+    {"head_linears", py_head_linears, METH_VARARGS,
+     "head_linears(x, xs_t, xs_h, T, H, N, w, R, C, S, off, out, ys_t, ys_h, isa, threads): per head, linear on "
+     "its N rows of w"},
     {"linears", py_linears, METH_VARARGS,
      "linears(x, T, C, [(R, (dtype, data, scales, g), bias, out)], isa, threads, int8_activations=False): "
      "several linears of one x in one job"},

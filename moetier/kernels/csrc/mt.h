@@ -326,6 +326,11 @@ int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const 
  * inside the int8-activation contract under it. The bits of mt_linear (mt_linear_q8) on each. */
 int mt_linears(const mt_isa *isa, int nthreads, const float *x, int64_t T, int n, const qmat *w,
                const float *const *bias, float *const *y, int q8);
+/* Per head h < H: y[t, h, :N] = x[t, h, :C] @ W[h * S + off : h * S + off + N].T, W [rows, C]
+ * (strides in floats): mt_linear's bits on each head's block of rows, in few jobs. */
+int mt_head_linears(const mt_isa *isa, int nthreads, const float *x, int64_t xs_t, int64_t xs_h, int64_t T,
+                    int64_t H, const qmat *w, int64_t S, int64_t off, int64_t N, float *y, int64_t ys_t,
+                    int64_t ys_h);
 int mt_ffn(const mt_isa *isa, int nthreads, const float *x, int64_t T, const qmat *gate, const qmat *up,
            const qmat *down, float *y);
 /* Many experts, each y = down(silu(gate x) * up x) on its own rows (x [T, D], y [T, D]);

@@ -252,6 +252,56 @@ int mt_linear(const mt_isa *isa, int nthreads, const float *x, int64_t T, const 
     return linear_job_run(isa, nthreads, x, T, w, bias, y, NULL, NULL);
 }
 
+/* Per head h < H: y[t, h, :N] = x[t, h, :C] @ W[h * S + off : + N].T -- mt_linear on each head's
+ * block of rows (its bits), the heads in jobs of up to LINEAR_MAX_K linears. Strides in floats.
+ * One token reads x and writes y in place; more are copied head by head. 0 or -1 (no memory). */
+int mt_head_linears(const mt_isa *isa, int nthreads, const float *x, int64_t xs_t, int64_t xs_h, int64_t T,
+                    int64_t H, const qmat *w, int64_t S, int64_t off, int64_t N, float *y, int64_t ys_t,
+                    int64_t ys_h) {
+    const int64_t C = w->cols;
+    const int many = isa->linear_many && T >= isa->many_min, xw = !many && xp_wanted(isa, w);
+    const int64_t hb = H < LINEAR_MAX_K ? H : LINEAR_MAX_K; /* heads per job */
+    float *xb = T > 1 ? mt_xalloc((size_t)(hb * T * C) * 4) : NULL, *yb = T > 1 ? mt_xalloc((size_t)(hb * T * N) * 4) : NULL;
+    float *xpb = xw ? mt_xalloc((size_t)(hb * T * C) * 4) : NULL;
+    int rc = (T > 1 && (!xb || !yb)) || (xw && !xpb) ? -1 : 0;
+    qmat wh[LINEAR_MAX_K];
+    linear_ctx k[LINEAR_MAX_K];
+    for (int64_t h0 = 0; h0 < H && rc == 0; h0 += hb) {
+        const int n = (int)(H - h0 < hb ? H - h0 : hb);
+        for (int i = 0; i < n; i++) {
+            const int64_t h = h0 + i, r0 = h * S + off;
+            wh[i] = *w;
+            wh[i].rows = N;
+            wh[i].data = w->data + r0 * w->row_bytes;
+            if (w->scales) wh[i].scales = w->scales + r0 * w->ngroups;
+            if (w->escales) wh[i].escales = w->escales + r0 * w->ngroups;
+            const float *xh = x + h * xs_h;
+            float *yh = y + h * ys_h;
+            if (T > 1) {
+                float *xc = xb + i * T * C;
+                for (int64_t t = 0; t < T; t++) memcpy(xc + t * C, x + t * xs_t + h * xs_h, (size_t)C * 4);
+                xh = xc;
+                yh = yb + i * T * N;
+            }
+            if (xw) xp_order_into(isa, xh, T, C, xpb + i * T * C);
+            k[i] = (linear_ctx){isa, xh, T, mt_rowbuf_len(&wh[i]), &wh[i], NULL, yh, 0, xw ? xpb + i * T * C : NULL, NULL};
+        }
+        if (many) {
+            for (int i = 0; i < n && rc == 0; i++) rc = mt_linear(isa, nthreads, k[i].x, T, &wh[i], NULL, k[i].y);
+        } else {
+            rc = linears_run(nthreads, k, n);
+        }
+        if (T > 1)
+            for (int i = 0; i < n; i++)
+                for (int64_t t = 0; t < T; t++)
+                    memcpy(y + t * ys_t + (h0 + i) * ys_h, yb + (i * T + t) * N, (size_t)N * 4);
+    }
+    free(xb);
+    free(yb);
+    free(xpb);
+    return rc;
+}
+
 /* ---------------------------------------------------------------- int8 activations (lossy) */
 
 /* The quantized weight of row r at column c: q (int8) or nibble - 8 (int4). */
