@@ -30,9 +30,7 @@ from moetier.bench.peers.sandbox import (
     block_device,
     cgroup_v1_available,
     descendants,
-    pss_bytes,
     read_bytes,
-    rss_bytes,
 )
 from moetier.bench.peers.systems import LlamaCpp, MoetierInProcess, MoetierUp
 from moetier.cli import main
@@ -184,35 +182,6 @@ def test_process_tree_counters(tmp_path: Path) -> None:
         p.wait()
         if grandchild is not None:
             os.kill(grandchild, 9)
-
-
-def test_pss_counts_the_pages_two_processes_share_once(tmp_path: Path) -> None:
-    """The capped regime sizes moetier's expert cache by the proportional set of its processes:
-    two processes that map the same 64 MiB file have twice its RSS and once its Pss."""
-    data = tmp_path / "shared.bin"
-    data.write_bytes(os.urandom(1 << 20) * 64)
-    code = ("import mmap,sys,time; f=open(sys.argv[1],'rb'); m=mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ)\n"
-            "s=sum(m[i] for i in range(0,len(m),4096)); print(s, flush=True); time.sleep(30)")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(data)], stdout=subprocess.PIPE) for _ in range(2)]
-    try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline()
-        rss = sum(rss_bytes(p.pid) for p in procs)
-        pss = sum(pss_bytes(p.pid) for p in procs)
-        assert rss >= 2 * (64 << 20)
-        assert pss < rss - (48 << 20)  # the file's pages once, not twice
-        assert pss >= 64 << 20
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    fake = tmp_path / "proc" / "7"  # a kernel without smaps_rollup: the RSS
-    fake.mkdir(parents=True)
-    (fake / "status").write_text("Name:\tx\nVmRSS:\t    2048 kB\n")
-    assert pss_bytes(7, tmp_path / "proc") == 2048 * 1024
-    (fake / "smaps_rollup").write_text("00400000-7fff [rollup]\nRss:    2048 kB\nPss:    1000 kB\n")
-    assert pss_bytes(7, tmp_path / "proc") == 1000 * 1024
-    assert pss_bytes(8, tmp_path / "proc") == 0  # gone
 
 
 def _fake_disk(tmp_path: Path, kb: int = 8192) -> Path:

@@ -16,8 +16,7 @@ in alternating rounds of fresh starts (run.py). Two regimes:
     dropped before each start; llama.cpp with its weights mmapped (the repack would copy
     them into anonymous memory, which cannot fit), at the disk's read-ahead and, where run
     as root, at 128 KiB (the setting restored afterwards); moetier with the expert cache
-    that leaves room for its own footprint (the proportional set of its processes after a start
-    with a 1% cache) + headroom.
+    that leaves room for its own footprint (measured by a start with a 1% cache) + headroom.
 
 Printed per block: TTFT, TTFT of the same prompt again, decode tok/s, prefill tok/s of a
 ~1k-token prompt (min/median/max over rounds), CPU cores busy during decode, peak memory,
@@ -279,17 +278,17 @@ def measure(args: argparse.Namespace, data: Path, peer: Peer, precisions: list[P
         say("WARNING: llama.cpp tokenizes the prompts differently from moetier: " + json.dumps(tokenization))
     cpus = sorted(os.sched_getaffinity(0))[: args.threads]
     work = Path(tempfile.mkdtemp(prefix="bench-peers-", dir=data / "peers"))
-    footprints: dict[str, run.Footprint] = {}
+    footprints: dict[str, dict[str, int]] = {}
 
     def expert_cache(p: Precision, cap: int) -> str:
         if args.capped_expert_cache is not None:
             return str(args.capped_expert_cache)
         fp = footprints.setdefault(p.name, run.moetier_footprint(paths[p.name]["container"], work / f"probe-{p.name}",
                                                                  cpus, args.in_process))
-        cache = cap - fp.pss - parse_bytes(args.headroom)
+        cache = cap - sum(fp.values()) - parse_bytes(args.headroom)
         if cache <= 0:
             raise InvalidArgument(f"cap {cap / 1e9:.2f} GB leaves no expert cache for moetier: its footprint is "
-                                  f"{fp.pss / 1e9:.2f} GB + headroom {args.headroom}; give --cap")
+                                  f"{sum(fp.values()) / 1e9:.2f} GB + headroom {args.headroom}; give --cap")
         return f"{cache / 2**30:.2f}GiB"
 
     blocks_out = []
@@ -322,7 +321,7 @@ def measure(args: argparse.Namespace, data: Path, peer: Peer, precisions: list[P
 
 
 def block_result(block: run.Block, results: dict[str, list[dict[str, Any]]],
-                 footprint: run.Footprint | None) -> dict[str, Any]:
+                 footprint: dict[str, int] | None) -> dict[str, Any]:
     systems: dict[str, dict[str, Any]] = {label: {"trials": trials, "summary": report.summarize(trials)}
                                           for label, trials in results.items()}
     moetier_rows = [r.label for r in block.rows if r.label.startswith("moetier")]
@@ -334,8 +333,7 @@ def block_result(block: run.Block, results: dict[str, list[dict[str, Any]]],
                            "prefill": report.ratio(a["prefill_tok_s"], b["prefill_tok_s"]),
                            "ttft": report.ratio(a["ttft_s"], b["ttft_s"])})
     return {"precision": block.precision, "regime": block.regime, "describe": PRECISIONS[block.precision].describe(),
-            "cap_bytes": block.cap_bytes, "moetier_footprint_rss": footprint.rss if footprint else None,
-            "moetier_footprint_pss_bytes": footprint.pss if footprint else None, "notes": block.notes,
+            "cap_bytes": block.cap_bytes, "moetier_footprint_rss": footprint, "notes": block.notes,
             "systems": systems, "ratios": ratios, "text_check": report.text_check(results)}
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from moetier.bench.peers.client import Counters, Timed, complete
-from moetier.bench.peers.sandbox import Cgroup, ReadAhead, drop_page_cache, pss_bytes
+from moetier.bench.peers.sandbox import Cgroup, ReadAhead, drop_page_cache
 from moetier.bench.peers.systems import MoetierInProcess, MoetierUp, System
 from moetier.errors import MoetierError
 
@@ -165,21 +165,13 @@ def run_block(block: Block, rounds: int, prompts: Prompts, work: Path, *, cpus: 
     return results
 
 
-@dataclass(frozen=True)
-class Footprint:
-    """moetier's memory without experts, right after a start with an expert cache of 1%: each
-    process's RSS (reported) and the tree's proportional set (what the capped regime's expert
-    cache must leave room for: the RSS of the processes counts the pages they share -- the
-    interpreter, the libraries -- once per process, a cgroup charges them once)."""
-    rss: dict[str, int]
-    pss: int
-
-
-def moetier_footprint(model: Path, work: Path, cpus: list[int], in_process: bool) -> Footprint:
+def moetier_footprint(model: Path, work: Path, cpus: list[int], in_process: bool) -> dict[str, int]:
+    """moetier's memory without experts: each process's RSS right after a start with an expert
+    cache of 1% (what the capped regime's expert cache must leave room for)."""
     cls = MoetierInProcess if in_process else MoetierUp
     system = cls(label="moetier footprint probe", kind="moetier", work=work, model=model, expert_cache="1%")
     try:
         system.start(None, cpus)
-        return Footprint(system.baseline(), sum(system.baseline(pss_bytes).values()))
+        return system.baseline()
     finally:
         system.stop()

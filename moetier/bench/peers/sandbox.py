@@ -74,19 +74,6 @@ def rss_bytes(pid: int, proc: Path = PROC) -> int:
     return 0
 
 
-def pss_bytes(pid: int, proc: Path = PROC) -> int:
-    """Proportional set of one process (Pss of smaps_rollup: each shared page divided among the
-    processes that map it, so a tree's sum counts every page once); its RSS where the kernel has
-    no smaps_rollup; 0 when it is gone."""
-    try:
-        for line in (proc / str(pid) / "smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return rss_bytes(pid, proc)
-
-
 def read_bytes(pid: int, proc: Path = PROC) -> int:
     """Bytes this process caused to be read from storage (/proc/<pid>/io read_bytes)."""
     try:

@@ -112,9 +112,9 @@ class System:
         wait_ready(self.url, lambda: self.proc is not None and self.proc.poll() is None, START_TIMEOUT_S,
                    f"{self.label} (log {self.work / 'server.log'}):\n" + "\n".join(lines[-15:]))
 
-    def baseline(self, measure: Callable[[int], int] = rss_bytes) -> dict[str, int]:
-        """RSS (or `measure`) of each of its processes now (call right after start: before any request)."""
-        return {name: measure(pid) for name, pid in self.pids.items()}
+    def baseline(self) -> dict[str, int]:
+        """RSS of each of its processes now (call right after start: before any request)."""
+        return {name: rss_bytes(pid) for name, pid in self.pids.items()}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -205,9 +205,9 @@ class MoetierUp(System):
                 raise Unavailable(f"{self.label} did not come up (log {self.work / 'server.log'}):\n"
                                   + "\n".join(lines[-25:]))
 
-    def baseline(self, measure: Callable[[int], int] = rss_bytes) -> dict[str, int]:
-        """RSS (or `measure`) of each service (and of `moetier up`, the supervisor)."""
-        return {("up" if name == self.kind else name): measure(pid) for name, pid in self.pids.items()}
+    def baseline(self) -> dict[str, int]:
+        """RSS of each service (and of `moetier up`, the supervisor)."""
+        return {("up" if name == self.kind else name): rss_bytes(pid) for name, pid in self.pids.items()}
 
 
 @dataclass
@@ -227,6 +227,6 @@ class MoetierInProcess(System):
     def env(self) -> dict[str, str]:
         return {k: v for k, v in os.environ.items() if not k.startswith("MOETIER_")}
 
-    def baseline(self, measure: Callable[[int], int] = rss_bytes) -> dict[str, int]:
+    def baseline(self) -> dict[str, int]:
         assert self.proc is not None
-        return {"engine": measure(self.proc.pid)}
+        return {"engine": rss_bytes(self.proc.pid)}
