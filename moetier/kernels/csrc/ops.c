@@ -261,7 +261,8 @@ int mt_head_linears(const mt_isa *isa, int nthreads, const float *x, int64_t xs_
     const int64_t C = w->cols;
     const int many = isa->linear_many && T >= isa->many_min, xw = !many && xp_wanted(isa, w);
     const int64_t hb = H < LINEAR_MAX_K ? H : LINEAR_MAX_K; /* heads per job */
-    float *xb = T > 1 ? mt_xalloc((size_t)(hb * T * C) * 4) : NULL, *yb = T > 1 ? mt_xalloc((size_t)(hb * T * N) * 4) : NULL;
+    float *xb = T > 1 ? mt_xalloc((size_t)(hb * T * C) * 4) : NULL;
+    float *yb = T > 1 ? mt_xalloc((size_t)(hb * T * N) * 4) : NULL;
     float *xpb = xw ? mt_xalloc((size_t)(hb * T * C) * 4) : NULL;
     int rc = (T > 1 && (!xb || !yb)) || (xw && !xpb) ? -1 : 0;
     qmat wh[LINEAR_MAX_K];
@@ -284,7 +285,8 @@ int mt_head_linears(const mt_isa *isa, int nthreads, const float *x, int64_t xs_
                 yh = yb + i * T * N;
             }
             if (xw) xp_order_into(isa, xh, T, C, xpb + i * T * C);
-            k[i] = (linear_ctx){isa, xh, T, mt_rowbuf_len(&wh[i]), &wh[i], NULL, yh, 0, xw ? xpb + i * T * C : NULL, NULL};
+            k[i] = (linear_ctx){isa, xh, T, mt_rowbuf_len(&wh[i]), &wh[i], NULL, yh, 0,
+                                xw ? xpb + i * T * C : NULL, NULL};
         }
         if (many) {
             for (int i = 0; i < n && rc == 0; i++) rc = mt_linear(isa, nthreads, k[i].x, T, &wh[i], NULL, k[i].y);

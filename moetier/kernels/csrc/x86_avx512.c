@@ -631,16 +631,17 @@ static void linear_block_avx512(const linear_ctx *k, int64_t r0, float *buf) {
 
 /* ---------------------------------------------------------------- batched: 8 rows x 3 tokens
  * PAIR_MIN_TOKENS or more tokens of int4 weights in halves order (linear_ctx.xp), or more than
- * TBMAX of int8, bfloat16 or mxfp4 weights, two whole blocks (PAIR_ROWS rows) at once. Each block of PAIR_COLS columns of those
- * rows is dequantized once into L1 -- for int4 the values halves_tb forms in registers, in the
- * same lane order -- and multiplied with every token, PAIR_TOK at a time: 24 accumulators, 8
- * weight and 3 token loads per 24 fmas. halves_tb dequantizes each chunk once per 6 tokens
- * and loads each token's chunk once per RB rows (6 loads per 24 fmas); batch_rows_avx512 loads
- * 10 per 24 fmas. Loads are what these loops pay for beside the fmas: in L1, one thread, the
- * 24 fmas of a chunk ran at 94% of the fma probe with no load, 85% with the 3 token loads, 71%
- * with all 11. Between column blocks each (token, row) keeps its sixteen lane accumulators in
- * the state: the contract's accumulators, only stored for a while, each still seeing its
- * chunks in increasing order. So every output is halves_tb's (int8: fused_tb's), bit for bit. */
+ * TBMAX of int8, bfloat16 or mxfp4 weights, two whole blocks (PAIR_ROWS rows) at once. Each
+ * block of PAIR_COLS columns of those rows is dequantized once into L1 -- for int4 the values
+ * halves_tb forms in registers, in the same lane order -- and multiplied with every token,
+ * PAIR_TOK at a time: 24 accumulators, 8 weight and 3 token loads per 24 fmas. halves_tb
+ * dequantizes each chunk once per 6 tokens and loads each token's chunk once per RB rows (6
+ * loads per 24 fmas); batch_rows_avx512 loads 10 per 24 fmas. Loads are what these loops pay
+ * for beside the fmas: in L1, one thread, the 24 fmas of a chunk ran at 94% of the fma probe
+ * with no load, 85% with the 3 token loads, 71% with all 11. Between column blocks each
+ * (token, row) keeps its sixteen lane accumulators in the state: the contract's accumulators,
+ * only stored for a while, each still seeing its chunks in increasing order. So every output
+ * has the contract's bits, as on every other path. */
 #define PAIR_ROWS (2 * RB)
 #define PAIR_COLS MT_PAIR_COLS
 #define PAIR_TOK 3
@@ -682,7 +683,8 @@ MT_AVX512 static void halves_dequant(const qmat *w, int64_t r0, int64_t c0, int6
             for (int i = 0; i < PAIR_ROWS; i++) {
                 const __m512i q =
                     _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)(rp + i * rb + (c >> 1))));
-                _mm512_store_ps(wb + i * PAIR_COLS + (c - c0), _mm512_permutexvar_ps(_mm512_srlv_epi32(q, sh), tab[i]));
+                _mm512_store_ps(wb + i * PAIR_COLS + (c - c0),
+                                _mm512_permutexvar_ps(_mm512_srlv_epi32(q, sh), tab[i]));
             }
     }
 }
@@ -721,7 +723,8 @@ MT_AVX512 static void plain_dequant(const qmat *w, int64_t r0, int64_t c0, int64
         if (w->dtype == DT_BF16) {
             for (int64_t c = c0; c < c1; c += 16) {
                 if ((c & 31) == 0) _mm_prefetch(next + 2 * c, MT_PF_HINT);
-                const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c)));
+                const __m512i v =
+                    _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c)));
                 _mm512_store_ps(o + c, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
             }
         } else { /* mxfp4: c0 and c1 are multiples of 32 (whole groups) */
@@ -731,8 +734,10 @@ MT_AVX512 static void plain_dequant(const qmat *w, int64_t r0, int64_t c0, int64
                 const __m512 table = _mm512_mul_ps(e2m1, _mm512_set1_ps(mt_e8m0(es[c / MT_MX_GROUP])));
                 const __m128i v = _mm_loadu_si128((const __m128i *)(row + c / 2));
                 const __m128i lo = _mm_and_si128(v, lo4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
-                _mm512_store_ps(o + c, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table));
-                _mm512_store_ps(o + c + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), table));
+                const __m512i n0 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)); /* columns 0..15 */
+                const __m512i n1 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)); /* 16..31 */
+                _mm512_store_ps(o + c, _mm512_permutexvar_ps(n0, table));
+                _mm512_store_ps(o + c + 16, _mm512_permutexvar_ps(n1, table));
             }
         }
     }
@@ -802,7 +807,8 @@ MT_AVX512 static void pair_batch(const linear_ctx *k, int64_t r0, float *buf) {
         }
         for (int64_t t = 0; t < nt; t++) {
             __m512 v[PAIR_ROWS];
-            for (int i = 0; i < PAIR_ROWS; i++) v[i] = _mm512_permutexvar_ps(back, _mm512_load_ps(st + (t * PAIR_ROWS + i) * 16));
+            for (int i = 0; i < PAIR_ROWS; i++)
+                v[i] = _mm512_permutexvar_ps(back, _mm512_load_ps(st + (t * PAIR_ROWS + i) * 16));
             float d[16] __attribute__((aligned(64)));
             _mm512_store_ps(d, hsum16x8_avx512(v));
             for (int i = 0; i < PAIR_ROWS; i++) k->y[(tt + t) * R + r0 + i] = k->bias ? d[i] + k->bias[r0 + i] : d[i];
@@ -810,10 +816,6 @@ MT_AVX512 static void pair_batch(const linear_ctx *k, int64_t r0, float *buf) {
     }
 }
 
-/* Blocks r0 / RB and r0 / RB + 1, both whole: one token of int4 weights in halves order
- * (linear_ctx.xp), or PAIR_MIN_TOKENS or more of those, or more than TBMAX of pair_dtype_ok's
- * (pair_batch): 1 where done, 0 where this is not that
- * case (the caller runs them one by one). */
 /* pair_batch's weights besides int4 in halves order: whole chunks of 16 columns (x is read up to
  * the row's end, never past it), int8 groups of whole chunks, mxfp4 blocks of whole groups. Not
  * float32: at 6 tokens a copy of the rows costs more than it saves (bench compute, mini-glm's
@@ -828,6 +830,9 @@ static int pair_dtype_ok(const qmat *w) {
     }
 }
 
+/* Blocks r0 / RB and r0 / RB + 1, both whole: one token of int4 weights in halves order
+ * (linear_ctx.xp), or PAIR_MIN_TOKENS or more of those, or more than TBMAX of pair_dtype_ok's
+ * (pair_batch): 1 where done, 0 where this is not that case (the caller runs them one by one). */
 static int linear_pair_avx512(const linear_ctx *k, int64_t r0, float *buf) {
     const qmat *w = k->w;
     if (r0 + 2 * RB > w->rows) return 0;
