@@ -126,6 +126,31 @@ def test_head_linears_give_the_bits_of_linear_on_each_heads_rows(ops: FastOps, d
         ops.head_linears(rand(rng, 1, heads, n), w, n + dv, dv + 1, n, transposed=True)
 
 
+@pytest.mark.skipif(not c_available(), reason="the C extension is not built")
+def test_per_head_kernels_refuse_shapes_and_strides_that_do_not_fit() -> None:
+    """The C entry points check what FastOps checks: blocks inside w, strides that keep heads
+    apart, buffers as large as the strides say."""
+    from moetier.kernels import _ckernels
+
+    rng = np.random.default_rng(3)
+    w = quantize(rand(rng, 2 * 24, 64), "int8", 32)
+    spec = fast._spec(w, "w")[2]
+    isa = next(i for i, (_, ok) in enumerate(_ckernels.isas()) if ok)
+    x, out = rand(rng, 1, 2, 64), np.zeros((1, 2, 64), dtype=np.float32)
+    _ckernels.head_linears(x, 128, 64, 1, 2, 16, spec, 48, 64, 24, 8, out, 128, 64, isa, 1)  # fits
+    want = w.dequantize()[8:24] @ x[0, 0]
+    close(out[0, 0, :16], want)
+    for bad in ((x, 128, 64, 1, 2, 16, spec, 48, 64, 24, 9, out, 128, 64, isa, 1),  # rows past w
+                (x, 128, 32, 1, 2, 16, spec, 48, 64, 24, 8, out, 128, 64, isa, 1),  # heads overlap in x
+                (x, 128, 64, 1, 2, 16, spec, 48, 64, 24, 8, out, 128, 8, isa, 1)):  # ... in out
+        with pytest.raises(ValueError, match="head_linears: inconsistent"):
+            _ckernels.head_linears(*bad)
+    with pytest.raises(ValueError, match="x"):  # a buffer shorter than its strides
+        _ckernels.head_linears(x[:, :1], 128, 64, 1, 2, 16, spec, 48, 64, 24, 8, out, 128, 64, isa, 1)
+    with pytest.raises(ValueError, match="linear_t: inconsistent"):
+        _ckernels.linear_t(x, 128, 64, 1, 2, 16, spec, 48, 64, 24, 9, out, 128, 64, 1)
+
+
 def test_rmsnorm_softmax_match_reference(ops: FastOps) -> None:
     rng = np.random.default_rng(1)
     for t, c in ((1, 1), (3, 17), (5, 2048)):

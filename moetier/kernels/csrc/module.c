@@ -142,74 +142,80 @@ fail:
     return NULL;
 }
 
+/* The arguments of the per-head linears: H blocks of N rows of w [R, C], S rows apart from row
+ * off; x[t, h, :nin] at x + t * xs_t + h * xs_h, out[t, h, :nout] likewise (strides in floats). */
+typedef struct {
+    PyObject *xo, *wspec, *yo;
+    long long xs_t, xs_h, T, H, N, R, C, S, off, ys_t, ys_h;
+} heads_args;
+
+/* Checks a's shape and strides (x nin wide, out nout) and takes its buffers into bs; -1 with a
+ * Python error set. */
+static int heads_buffers(bufset *bs, const char *what, const heads_args *a, long long nin, long long nout, qmat *w,
+                         const float **x, float **y) {
+    if (a->T < 1 || a->H < 1 || a->N < 1 || a->C < 1 || a->S < a->N || a->off < 0 ||
+        (a->H - 1) * a->S + a->off + a->N > a->R || a->xs_h < nin || a->xs_t < (a->H - 1) * a->xs_h + nin ||
+        a->ys_h < nout || a->ys_t < (a->H - 1) * a->ys_h + nout) {
+        PyErr_Format(PyExc_ValueError, "%s: inconsistent shape or strides (T %lld, H %lld, N %lld, R %lld, C %lld, "
+                     "S %lld, off %lld)", what, a->T, a->H, a->N, a->R, a->C, a->S, a->off);
+        return -1;
+    }
+    if (parse_qmat(bs, a->wspec, a->R, a->C, w, "w") < 0) return -1;
+    if (!(*x = get_buf(bs, a->xo, ((a->T - 1) * a->xs_t + (a->H - 1) * a->xs_h + nin) * 4, 0, "x"))) return -1;
+    if (!(*y = get_buf(bs, a->yo, ((a->T - 1) * a->ys_t + (a->H - 1) * a->ys_h + nout) * 4, 1, "out"))) return -1;
+    return 0;
+}
+
 /* linear_t(x, xs_t, xs_h, T, H, N, (dtype, data, scales, g), rows, C, S, off, out, ys_t, ys_h,
  * threads): per head, x's N inputs times N stored rows of W used transposed (mt_linear_t). */
 static PyObject *py_linear_t(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *xo, *wspec, *yo;
-    long long xs_t, xs_h, T, H, N, R, C, S, off, ys_t, ys_h;
+    heads_args a;
     int nthreads;
-    if (!PyArg_ParseTuple(args, "OLLLLLOLLLLOLLi", &xo, &xs_t, &xs_h, &T, &H, &N, &wspec, &R, &C, &S, &off, &yo,
-                          &ys_t, &ys_h, &nthreads))
+    if (!PyArg_ParseTuple(args, "OLLLLLOLLLLOLLi", &a.xo, &a.xs_t, &a.xs_h, &a.T, &a.H, &a.N, &a.wspec, &a.R, &a.C,
+                          &a.S, &a.off, &a.yo, &a.ys_t, &a.ys_h, &nthreads))
         return NULL;
-    if (T < 1 || H < 1 || N < 1 || C < 1 || S < N || off < 0 || (H - 1) * S + off + N > R || xs_h < N ||
-        xs_t < (H - 1) * xs_h + N || ys_h < C || ys_t < (H - 1) * ys_h + C) {
-        PyErr_Format(PyExc_ValueError, "linear_t: inconsistent shape or strides (T %lld, H %lld, N %lld, R %lld, "
-                     "C %lld, S %lld, off %lld)", T, H, N, R, C, S, off);
-        return NULL;
-    }
     bufset bs = {.n = 0};
     qmat w;
     const float *x;
     float *y;
-    if (parse_qmat(&bs, wspec, R, C, &w, "w") < 0) goto fail;
-    if (!(x = get_buf(&bs, xo, ((T - 1) * xs_t + (H - 1) * xs_h + N) * 4, 0, "x"))) goto fail;
-    if (!(y = get_buf(&bs, yo, ((T - 1) * ys_t + (H - 1) * ys_h + C) * 4, 1, "out"))) goto fail;
+    if (heads_buffers(&bs, "linear_t", &a, a.N, a.C, &w, &x, &y) < 0) {
+        bufset_release(&bs);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
-    mt_linear_t(nthreads, x, xs_t, xs_h, T, H, N, &w, S, off, y, ys_t, ys_h);
+    mt_linear_t(nthreads, x, a.xs_t, a.xs_h, a.T, a.H, a.N, &w, a.S, a.off, y, a.ys_t, a.ys_h);
     Py_END_ALLOW_THREADS
     bufset_release(&bs);
     Py_RETURN_NONE;
-fail:
-    bufset_release(&bs);
-    return NULL;
 }
 
 /* head_linears(x, xs_t, xs_h, T, H, N, w, R, C, S, off, out, ys_t, ys_h, isa, threads): per head, linear
  * on the head's N rows of w (mt_head_linears). */
 static PyObject *py_head_linears(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *xo, *wspec, *yo;
-    long long xs_t, xs_h, T, H, N, R, C, S, off, ys_t, ys_h;
+    heads_args a;
     int isa_i, nthreads;
-    if (!PyArg_ParseTuple(args, "OLLLLLOLLLLOLLii", &xo, &xs_t, &xs_h, &T, &H, &N, &wspec, &R, &C, &S, &off, &yo,
-                          &ys_t, &ys_h, &isa_i, &nthreads))
+    if (!PyArg_ParseTuple(args, "OLLLLLOLLLLOLLii", &a.xo, &a.xs_t, &a.xs_h, &a.T, &a.H, &a.N, &a.wspec, &a.R, &a.C,
+                          &a.S, &a.off, &a.yo, &a.ys_t, &a.ys_h, &isa_i, &nthreads))
         return NULL;
     const mt_isa *isa = get_isa(isa_i);
     if (!isa) return NULL;
-    if (T < 1 || H < 1 || N < 1 || C < 1 || S < N || off < 0 || (H - 1) * S + off + N > R || xs_h < C ||
-        xs_t < (H - 1) * xs_h + C || ys_h < N || ys_t < (H - 1) * ys_h + N) {
-        PyErr_Format(PyExc_ValueError, "head_linears: inconsistent shape or strides (T %lld, H %lld, N %lld, "
-                     "R %lld, C %lld, S %lld, off %lld)", T, H, N, R, C, S, off);
-        return NULL;
-    }
     bufset bs = {.n = 0};
     qmat w;
     const float *x;
     float *y;
+    if (heads_buffers(&bs, "head_linears", &a, a.C, a.N, &w, &x, &y) < 0) {
+        bufset_release(&bs);
+        return NULL;
+    }
     int rc;
-    if (parse_qmat(&bs, wspec, R, C, &w, "w") < 0) goto fail;
-    if (!(x = get_buf(&bs, xo, ((T - 1) * xs_t + (H - 1) * xs_h + C) * 4, 0, "x"))) goto fail;
-    if (!(y = get_buf(&bs, yo, ((T - 1) * ys_t + (H - 1) * ys_h + N) * 4, 1, "out"))) goto fail;
     Py_BEGIN_ALLOW_THREADS
-    rc = mt_head_linears(isa, nthreads, x, xs_t, xs_h, T, H, &w, S, off, N, y, ys_t, ys_h);
+    rc = mt_head_linears(isa, nthreads, x, a.xs_t, a.xs_h, a.T, a.H, &w, a.S, a.off, a.N, y, a.ys_t, a.ys_h);
     Py_END_ALLOW_THREADS
     bufset_release(&bs);
     if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
-fail:
-    bufset_release(&bs);
-    return NULL;
 }
 
 /* linears(x, T, C, [(R, (dtype, data, scales, g), bias or None, out)], isa, threads, q8): several
