@@ -263,7 +263,7 @@ int mt_head_linears(const mt_isa *isa, int nthreads, const float *x, int64_t xs_
     const int64_t hb = H < LINEAR_MAX_K ? H : LINEAR_MAX_K; /* heads per job */
     float *xb = T > 1 ? mt_xalloc((size_t)(hb * T * C) * 4) : NULL;
     float *yb = T > 1 ? mt_xalloc((size_t)(hb * T * N) * 4) : NULL;
-    float *xpb = xw ? mt_xalloc((size_t)(hb * T * C) * 4) : NULL;
+    float *xpb = xw ? mt_scratch(3, (size_t)(hb * T * C)) : NULL; /* the thread's own x-order buffer, kept */
     int rc = (T > 1 && (!xb || !yb)) || (xw && !xpb) ? -1 : 0;
     qmat wh[LINEAR_MAX_K];
     linear_ctx k[LINEAR_MAX_K];
@@ -300,7 +300,6 @@ int mt_head_linears(const mt_isa *isa, int nthreads, const float *x, int64_t xs_
     }
     free(xb);
     free(yb);
-    free(xpb);
     return rc;
 }
 
