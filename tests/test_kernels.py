@@ -605,7 +605,7 @@ def pool_stress(make_ops: Callable[[int], FastOps], callers_s: float, back_to_ba
     def worker(n: int, threads: int) -> None:
         ops = make_ops(threads)
         order = np.random.default_rng(n)
-        while time.monotonic() < stop:
+        while done[n] < len(calls) or time.monotonic() < stop:  # every call at least once, however slow
             for j in order.permutation(len(calls)).tolist():
                 if not np.array_equal(run(ops, j), want[j]):
                     wrong.append((threads, calls[j][0]))
@@ -619,7 +619,6 @@ def pool_stress(make_ops: Callable[[int], FastOps], callers_s: float, back_to_ba
     for th in ths:
         th.join()
     assert not wrong, f"{len(wrong)} of {sum(done)} calls gave other bits, e.g. {wrong[:5]}"
-    assert min(done) >= len(calls)
 
     tiny = [quantize(rand(rng, r, 64), "f32", 0) for r in (256, 2048, 512, 1024)]  # 2, 16, 4, 8 chunks
     x = rand(rng, 1, 64)
@@ -627,13 +626,12 @@ def pool_stress(make_ops: Callable[[int], FastOps], callers_s: float, back_to_ba
     ops = make_ops(8)
     n_tiny = 0
     stop = time.monotonic() + back_to_back_s
-    while time.monotonic() < stop:
+    while n_tiny < 100 or time.monotonic() < stop:  # at least 100 jobs, however slow the machine
         for w, expect in zip(tiny, tiny_want, strict=True):
             assert np.array_equal(bits(ops.linear(x, w)), expect), f"after {n_tiny} back-to-back jobs"
             n_tiny += 1
             if park:
                 park_helpers()
-    assert n_tiny >= 100
 
 
 def _running_threads() -> list[int]:
