@@ -17,6 +17,9 @@ def test_bench_compute_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert r["memory_gbps"] > 0
     assert set(r["batch"]) == {"1", "3"}
     assert r["ratio"] == pytest.approx(r["batch"]["1"]["fast_gbps"] / r["memory_gbps"])
+    one = r["batch"]["1"]
+    assert one["cached_gbps"] > 0
+    assert one["cache_ceiling_of_memory"] == pytest.approx(one["cached_gbps"] / r["memory_gbps"])
     assert r["expert"] == {"hidden": 2048, "intermediate": 1408, "dtype": "int4", "group_size": 64,
                            "bytes": r["expert"]["bytes"], "source": "default (mini-glm)"}
     assert r["working_set_bytes"] >= 12 << 20
@@ -28,3 +31,4 @@ def test_bench_compute_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert rc == 0
     out = capsys.readouterr().out
     assert "memory read bandwidth" in out and "FMA peak" in out and "ReferenceOps" in out
+    assert "in cache GB/s" in out and "cache ceiling" in out
