@@ -39,6 +39,7 @@ from moetier.bench import models
 from moetier.kernels import FastOps, c_paths, warmup
 from moetier.kernels.fast import BACKENDS, fma_peak_gflops, read_bandwidth_gbps
 from moetier.model.ops import ReferenceOps, silu
+from moetier.store.buffers import alloc_aligned
 from moetier.weights.layout import RecordLayout
 from moetier.weights.quant import ExpertWeights, QDType
 from moetier.weights.schema import EXPERTS_ALLOWED
@@ -105,7 +106,10 @@ def make_experts(shape: Shape, working_set: int, seed: int = 0) -> list[ExpertWe
     layout = RecordLayout.build(shape.intermediate, shape.hidden, shape.dtype, shape.group_size)
     n = max(2, -(-working_set // layout.used_bytes))
     rng = np.random.default_rng(seed)
-    buf = rng.integers(0, 256, size=n * layout.record_bytes, dtype=np.uint8)
+    # page-aligned, as the store's record buffers and shared experts are (a numpy buffer of this
+    # size starts 16 bytes past a page, so every row began off its cache lines)
+    buf = alloc_aligned(n * layout.record_bytes)
+    buf[:] = rng.integers(0, 256, size=buf.size, dtype=np.uint8)
     records = buf.reshape(n, layout.record_bytes)
     for p in layout.parts:
         if p.dtype == "int8":  # q in [-127, 127], as the quantizer writes
