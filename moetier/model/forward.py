@@ -136,6 +136,7 @@ class Model:
         moe_ids = [i for i in range(args.num_layers) if args.moe_layers[i]]
         self._moe_after = {a: moe_ids[n + 1:] for n, a in enumerate(moe_ids)}  # MoE layer -> the later ones
         self._ahead: dict[int, I32] = {}  # MoE layer -> the experts hinted for it one MoE layer earlier
+        self._cache_shape = KVCache.for_model(args)  # every step's caches must have its shape (one, not one a step)
 
     def new_cache(self) -> KVCache:
         return KVCache.for_model(self.args)
@@ -204,7 +205,7 @@ class Model:
     def _segments(self, caches: Sequence[KVCache], tokens: Sequence[npt.NDArray[np.int64]]) -> list[Segment]:
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("a KV cache appears twice in one step")
-        shape = self.new_cache()
+        shape = self._cache_shape
         out, row = [], 0
         for cache, t in zip(caches, tokens, strict=True):
             if not cache.same_shape(shape):
