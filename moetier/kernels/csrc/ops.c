@@ -185,11 +185,26 @@ static int xp_wanted(const mt_isa *isa, const qmat *w) {
     return xp_mult && w->dtype == DT_INT4 && w->cols % xp_mult == 0 && w->g % xp_mult == 0 && w->cols % w->g == 0;
 }
 
-/* x's columns in that order into xp [T, C] */
+/* x's columns in that order into xp [T, C] (C a multiple of the order's chunk, as xp_wanted
+ * asks): xp[j] = x[mt_int4_pairs_src(j)] or x[mt_int4_halves_src(j)], written as the
+ * interleave (halves) or the even / odd split (pairs) it is, loops the compiler turns into
+ * shuffles: one index computation per element cost about as much as a decode step's attention
+ * (a copy before every int4 linear). */
 static void xp_order_into(const mt_isa *isa, const float *x, int64_t T, int64_t C, float *xp) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t j = 0; j < C; j++)
-            xp[t * C + j] = x[t * C + (isa->xp_order == MT_XP_PAIRS32 ? mt_int4_pairs_src(j) : mt_int4_halves_src(j))];
+    const int64_t n = T * C; /* chunks never straddle tokens: C is a multiple of the chunk */
+    if (isa->xp_order == MT_XP_PAIRS32) {
+        for (int64_t c = 0; c < n; c += 16) /* each half of a 32-chunk: its even columns, then its odd */
+            for (int k = 0; k < 8; k++) {
+                xp[c + k] = x[c + 2 * k];
+                xp[c + 8 + k] = x[c + 2 * k + 1];
+            }
+        return;
+    }
+    for (int64_t c = 0; c < n; c += 16) /* halves: columns c + k and c + 8 + k side by side */
+        for (int k = 0; k < 8; k++) {
+            xp[c + 2 * k] = x[c + k];
+            xp[c + 2 * k + 1] = x[c + 8 + k];
+        }
 }
 
 /* ... in scratch slot `slot` (NULL: no memory) */
