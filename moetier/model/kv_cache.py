@@ -131,6 +131,7 @@ class KVCache:
             {name: np.zeros((0, *shape), dtype=np.float32) for name, shape in self.layer_layout(i).items()}
             for i in range(num_layers)
         ]
+        self._caps = [self._count_capacity(i) for i in range(num_layers)]  # kept with _arrays (see _capacity)
 
     @classmethod
     def for_model(cls, args: ModelArgs) -> KVCache:
@@ -150,7 +151,11 @@ class KVCache:
         return self.length - self._start[layer]
 
     def _capacity(self, layer: int) -> int | None:
-        """Rows layer `layer`'s arrays have room for (None: it keeps no per-position arrays)."""
+        """Rows layer `layer`'s arrays have room for (None: it keeps no per-position arrays).
+        Counted whenever they are replaced: reserve and commit ask for every layer each step."""
+        return self._caps[layer]
+
+    def _count_capacity(self, layer: int) -> int | None:
         return min((int(a.shape[0]) for a in self._arrays[layer].values()), default=None)
 
     def _layer_floats(self, layer: int) -> int:
@@ -241,6 +246,7 @@ class KVCache:
                     grown = np.zeros((cap, *a.shape[1:]), dtype=np.float32)
                     grown[:rows] = a[:rows]
                     layer[name] = grown
+                self._caps[i] = self._count_capacity(i)
         need = self.length + n
         if need > self.capacity:
             tokens = np.zeros(_grown(self.capacity, need, self.expected), dtype=np.int32)
@@ -377,6 +383,7 @@ class KVCache:
             for name in cache.layer_layout(i):
                 rows = np.asarray(arrays[f"layers.{i}.{name}"])[: n - starts[i]]
                 cache._arrays[i][name] = np.array(rows, dtype=np.float32)  # a copy of the positions kept
+            cache._caps[i] = cache._count_capacity(i)
         cache._start = starts
         cache._tokens = np.array(tokens[:n], dtype=np.int32)
         cache.length = n
