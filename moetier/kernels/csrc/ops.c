@@ -188,8 +188,7 @@ static int xp_wanted(const mt_isa *isa, const qmat *w) {
 /* x's columns in that order into xp [T, C] (C a multiple of the order's chunk, as xp_wanted
  * asks): xp[j] = x[mt_int4_pairs_src(j)] or x[mt_int4_halves_src(j)], written as the
  * interleave (halves) or the even / odd split (pairs) it is, loops the compiler turns into
- * shuffles: one index computation per element cost about as much as a decode step's attention
- * (a copy before every int4 linear). */
+ * shuffles (an index computed per element took about 20 us of a 16-token 1408 x 2048 linear). */
 static void xp_order_into(const mt_isa *isa, const float *x, int64_t T, int64_t C, float *xp) {
     const int64_t n = T * C; /* chunks never straddle tokens: C is a multiple of the chunk */
     if (isa->xp_order == MT_XP_PAIRS32) {

@@ -816,11 +816,11 @@ MT_AVX512 static void pair_batch(const linear_ctx *k, int64_t r0, float *buf) {
         const int64_t nt = T - tt < MT_STATE_TOKENS ? T - tt : MT_STATE_TOKENS;
         memset(st, 0, (size_t)(nt * PAIR_ROWS * 16) * 4);
         const int64_t ntiles = (nt + PAIR_TOK - 1) / PAIR_TOK;
+        /* tiles of at most PAIR_TOK tokens, as even as possible; int4's first one, where it has
+         * PAIR_TOK tokens, runs with the dequantization */
+        const int fused = halves && (nt + ntiles - 1) / ntiles == PAIR_TOK; /* the first tile's size */
         for (int64_t c0 = 0; c0 < C; c0 += PAIR_COLS) {
             const int64_t c1 = c0 + PAIR_COLS < C ? c0 + PAIR_COLS : C;
-            /* tiles of at most PAIR_TOK tokens, as even as possible; int4's first one of PAIR_TOK
-             * runs with the dequantization */
-            const int fused = halves && (nt + ntiles - 1) / ntiles == PAIR_TOK; /* the first tile's size */
             if (!halves) (w->dtype == DT_INT8 ? int8_dequant : plain_dequant)(w, r0, c0, c1, wb);
             for (int64_t tile = 0, t0 = 0; tile < ntiles; tile++) {
                 const int tb = (int)((nt - t0) / (ntiles - tile) + ((nt - t0) % (ntiles - tile) != 0));
