@@ -241,7 +241,7 @@ class Engine:
         try:
             yield from tokens
         finally:
-            self.prefix.insert(cache)
+            self.prefix.insert(cache, handover=True)  # generate made it, and it ends here
 
     def logits(self, ids: Sequence[int] | npt.NDArray[np.integer]) -> F32:
         """Teacher-forced logits [T, V] float32 over `ids`."""

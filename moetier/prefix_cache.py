@@ -159,6 +159,7 @@ class _Entry:
     arrays: Arrays | None = None  # in memory (None: on disk only)
     on_disk: bool = False
     writing: Future[None] | None = None
+    memory: int = 0  # bytes its arrays keep in memory while held (nbytes, or a handed-over cache's capacity)
 
     @property
     def tokens(self) -> int:
@@ -294,7 +295,7 @@ class PrefixCache:
                 return None
             with self._lock:
                 if self._entries.get(entry.key) is entry:
-                    entry.arrays = arrays
+                    entry.arrays, entry.memory = arrays, entry.nbytes
                     self._trim_memory()
         try:  # the first n positions (a sliding-window layer must still hold the window of position n)
             return KVCache.from_arrays(self.args, arrays, n), source
@@ -302,8 +303,13 @@ class PrefixCache:
             raise _NotResumable(f"an entry of {entry.tokens} tokens cannot resume at {n}: {e}") from None
 
     # ---- insert ----------------------------------------------------------------------
-    def insert(self, kv: KVCache) -> int:
-        """Remember every committed position of a sequence's KV; returns the tokens kept (0: none)."""
+    def insert(self, kv: KVCache, *, handover: bool = False) -> int:
+        """Remember every committed position of a sequence's KV; returns the tokens kept (0: none).
+        handover=True: the caller never writes `kv` again (a finished sequence), so the entry
+        holds views of its arrays instead of a copy: a 1k-token OLMoE request's KV is 256 MiB,
+        and the copy doubled the dense worker's memory at the end of every long request (its
+        peak under a memory cap). The entry then counts the cache's capacity against the
+        memory budget, not just its positions."""
         n = kv.length
         if n == 0:
             return 0
@@ -326,7 +332,8 @@ class PrefixCache:
             if key in self._entries:  # the same tokens, other saved states: one file per key
                 self._drop(self._entries[key], "superseded")
             entry = new
-            entry.arrays = kv.to_arrays()
+            entry.arrays = kv.to_arrays(copy=not handover)
+            entry.memory = kv.capacity_bytes + 4 * kv.capacity if handover else nbytes
             self._add(entry)
             self._stats.inserts += 1
             if self.directory is not None:
@@ -376,7 +383,7 @@ class PrefixCache:
     def stats(self) -> PrefixStats:
         with self._lock:
             s = self._stats
-            return PrefixStats(len(self._entries), sum(e.nbytes for e in self._entries.values() if e.arrays is not None),
+            return PrefixStats(len(self._entries), sum(e.memory for e in self._entries.values() if e.arrays is not None),
                                sum(e.nbytes for e in self._entries.values() if e.on_disk), s.lookups,
                                s.query_tokens, s.hit_tokens, s.inserts, s.evictions, s.files_written,
                                s.files_rejected, s.write_errors, dict(s.by_source))
@@ -435,7 +442,7 @@ class PrefixCache:
 
     def _held_bytes(self) -> int:
         """Bytes of the entries held in memory."""
-        return sum(e.nbytes for e in self._entries.values() if e.arrays is not None)
+        return sum(e.memory for e in self._entries.values() if e.arrays is not None)
 
     def _trim_memory(self) -> None:
         held = self._held_bytes()
@@ -450,7 +457,7 @@ class PrefixCache:
                 continue  # its file is being written: it leaves memory once written (_write)
             else:
                 self._drop(e, "evicted")
-            held -= e.nbytes
+            held -= e.memory
 
     def _trim_disk(self) -> None:
         def stored(e: _Entry) -> bool:

@@ -5,6 +5,7 @@ tiny end-to-end run of the peer too (skipped, with the reason, where it has not)
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import pytest
 import yaml
 from helpers_hf import write_tiny_checkpoint
 
-from moetier.bench.peers import inputs, report, run
+from moetier.bench.peers import HEADROOM_BUFFERS, headroom_bytes, inputs, report, run
 from moetier.bench.peers import peer as peer_mod
 from moetier.bench.peers.client import Counters, complete
 from moetier.bench.peers.gguf_convert import is_gpt2_pre_tokenizer
@@ -35,6 +36,7 @@ from moetier.bench.peers.sandbox import (
 from moetier.bench.peers.systems import LlamaCpp, MoetierInProcess, MoetierUp
 from moetier.cli import main
 from moetier.convert import synth
+from moetier.convert.synth import preset_args
 from moetier.engine import Engine
 from moetier.errors import InvalidArgument, ResourceExhausted, Unavailable
 from moetier.model.sampling import SamplingParams
@@ -119,6 +121,16 @@ def test_plan_in_process_and_default_cap(tmp_path: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out.splitlines()
     assert [line for line in out if line.startswith("q4")] == [
         "q4 resident: llama.cpp; llama.cpp, weights mmapped (no repack); moetier (moetier up), int8 activations (LOSSY)"]
+
+
+def test_capped_headroom_is_the_longest_requests_kv_unless_given() -> None:
+    args = argparse.Namespace(headroom=None, prefill_tokens=1024, tokens=64)
+    kv_token = 4 * preset_args(inputs.PRESET).kv_floats_per_token  # float32, every layer
+    assert headroom_bytes(args) == kv_token * 1088 + HEADROOM_BUFFERS
+    args.tokens = 128
+    assert headroom_bytes(args) == kv_token * 1152 + HEADROOM_BUFFERS
+    args.headroom = "300MiB"
+    assert headroom_bytes(args) == 300 << 20
 
 
 # ---- cgroup, read-ahead, process tree ---------------------------------------------------------

@@ -161,3 +161,34 @@ def test_budget_counts_states_and_a_tampered_header_is_rejected(model: Model, tm
     d = PrefixCache(args, MID, IDENTITY, tmp_path, 1 << 30)
     assert d.stats().entries == 0 and d.stats().files_rejected == 1
     d.close()
+
+
+def test_a_finished_sequence_is_handed_over_without_a_copy(model: Model, tmp_path: Path) -> None:
+    """insert(handover=True) keeps views of the cache's own arrays (no second copy of the KV at a
+    request's end), counts its capacity against the memory budget, and answers the same bits."""
+    ids = ids_of(40, 9)
+    caches = []
+    for seed in (0, 1):
+        c = model.new_cache()
+        c.save_at.add(39)
+        feed(model, c, ids_of(40, 9 + seed), [16])
+        caches.append(c)
+    want = caches[0].to_arrays()
+    pc = PrefixCache(model.args, MID, IDENTITY, tmp_path, 1 << 30, memory_bytes=1 << 30)
+    assert pc.insert(caches[0], handover=True) == 40
+    held = pc.stats().memory_bytes
+    assert held == caches[0].capacity_bytes + 4 * caches[0].capacity > caches[0].nbytes + 4 * 40
+    entry = next(e for e in pc._entries.values() if e.tokens == 40 and e.arrays is not None)
+    assert entry.arrays is not None and entry.arrays.keys() == want.keys()
+    assert all(np.shares_memory(entry.arrays[k], v) for k, v in caches[0].to_arrays(copy=False).items())
+    assert pc.insert(caches[1]) == 40  # a copy: counted as its payload
+    assert pc.stats().memory_bytes == held + caches[1].nbytes + 4 * 40
+    other = next(e for e in pc._entries.values() if e is not entry)
+    assert other.arrays is not None
+    assert not any(np.shares_memory(other.arrays[k], v) for k, v in caches[1].to_arrays(copy=False).items())
+    pc.flush()
+    kv, n = pc.lookup([*ids, 5])
+    assert n == 40 and kv is not None
+    for k, v in kv.to_arrays().items():
+        np.testing.assert_array_equal(v, want[k], err_msg=k)
+    pc.close()

@@ -36,7 +36,7 @@ truncated, and a persisted one resumed, only to a length whose window it still h
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -326,19 +326,23 @@ class KVCache:
         self.length = n
 
     # ---- persistence ---------------------------------------------------------------
-    def to_arrays(self) -> dict[str, np.ndarray]:
-        """{"tokens": int32 [S], "layers.{i}.{name}": float32 [S, ...]} (copies; a sliding-window
-        layer's hold its last positions only, [S - start(i), ...]), and with a fixed-size state,
-        for every position p of `state_positions`, "state.{p}.layers.{i}.{name}"."""
-        out: dict[str, np.ndarray] = {"tokens": self.tokens.copy()}
+    def to_arrays(self, *, copy: bool = True) -> dict[str, np.ndarray]:
+        """{"tokens": int32 [S], "layers.{i}.{name}": float32 [S, ...]} (a sliding-window layer's
+        hold its last positions only, [S - start(i), ...]), and with a fixed-size state, for every
+        position p of `state_positions`, "state.{p}.layers.{i}.{name}". Copies, or with copy=False
+        views of this cache's own arrays (they keep its whole capacity alive, `capacity_bytes`):
+        for a cache that is never written again, such as a finished sequence's handed to the
+        prefix cache, which then needs no second copy of its KV."""
+        keep: Callable[[np.ndarray], np.ndarray] = np.copy if copy else (lambda a: a)
+        out: dict[str, np.ndarray] = {"tokens": keep(self.tokens)}
         for i, layer in enumerate(self._arrays):
             for name, a in layer.items():
-                out[f"layers.{i}.{name}"] = a[: self._rows(i)].copy()
+                out[f"layers.{i}.{name}"] = keep(a[: self._rows(i)])
         if self.state_layout:
             for p in self.state_positions:
                 snap = self._state if p == self.length else self._snaps[p]
                 for (i, name), a in snap.items():
-                    out[state_key(p, i, name)] = a.copy()
+                    out[state_key(p, i, name)] = keep(a)
         return out
 
     @classmethod

@@ -489,7 +489,7 @@ class Batcher:
                 for seq, _, reason in sampled:
                     if reason is not None and seq.cache is not None:
                         try:
-                            self.prefix.insert(seq.cache)
+                            self.prefix.insert(seq.cache, handover=True)  # the sequence ends here
                         except Exception:
                             log.exception("prefix cache insert failed (the request is unaffected)")
         except Exception as e:  # handed to the sequences of this step

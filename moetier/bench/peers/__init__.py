@@ -16,7 +16,8 @@ in alternating rounds of fresh starts (run.py). Two regimes:
     dropped before each start; llama.cpp with its weights mmapped (the repack would copy
     them into anonymous memory, which cannot fit), at the disk's read-ahead and, where run
     as root, at 128 KiB (the setting restored afterwards); moetier with the expert cache
-    that leaves room for its own footprint (measured by a start with a 1% cache) + headroom.
+    that leaves room for its own footprint (measured by a start with a 1% cache) + headroom
+    (by default the KV cache of the longest request + HEADROOM_BUFFERS).
 
 Printed per block: TTFT, TTFT of the same prompt again, decode tok/s, prefill tok/s of a
 ~1k-token prompt (min/median/max over rounds), CPU cores busy during decode, peak memory,
@@ -48,6 +49,8 @@ from moetier.bench.peers.sandbox import ReadAhead, block_device, cgroup_v1_avail
 from moetier.bench.peers.systems import LlamaCpp, MoetierInProcess, MoetierUp, System
 from moetier.errors import InvalidArgument
 from moetier.settings import load_settings, parse_bytes
+
+HEADROOM_BUFFERS = 64 << 20  # capped moetier's default headroom beside the KV of its longest request
 
 REGIMES = ("resident", "capped")
 LOW_READ_AHEAD_KB = 128
@@ -81,8 +84,9 @@ def register(sub: Any) -> None:
     p.add_argument("--cap-share", type=float, default=0.40, help="share of the model's bytes (default 0.40)")
     p.add_argument("--runtime", default="640MiB", help="allowance for the runtime itself in the default cap "
                    "(default 640MiB)")
-    p.add_argument("--headroom", default="512MiB", help="capped moetier: memory left free beside its "
-                   "footprint and expert cache (KV cache, buffers, page cache; default 512MiB)")
+    p.add_argument("--headroom", help="capped moetier: memory left free beside its footprint and expert "
+                   "cache (default: the float32 KV cache of the longest request, --prefill-tokens + --tokens, "
+                   f"+ {HEADROOM_BUFFERS >> 20} MiB for buffers and page cache)")
     p.add_argument("--capped-expert-cache", help="capped moetier's expert cache (default: cap - footprint - "
                    "headroom)")
     p.add_argument("--llama-cpp-python", default=LLAMA_CPP_PYTHON, help=f"version (default {LLAMA_CPP_PYTHON})")
@@ -203,6 +207,19 @@ def model_bytes_estimate(p: Precision) -> int:
     return int(params * (4.5 if p.gguf_type == "Q4_0" else 8.5) / 8)
 
 
+def headroom_bytes(args: argparse.Namespace) -> int:
+    """What capped moetier needs beside its footprint and expert cache: --headroom, or the KV
+    cache of the longest request (float32, every layer) + HEADROOM_BUFFERS. Measured (OLMoE q4,
+    `moetier up` capped at 2.23 GB): the dense worker grows by its request's KV during a 1k-token
+    prefill, the expert store by about 30 MB beside its cache."""
+    if args.headroom is not None:
+        return parse_bytes(args.headroom)
+    from moetier.convert.synth import preset_args
+
+    kv = 4 * preset_args(inputs.PRESET).kv_floats_per_token * (args.prefill_tokens + args.tokens)
+    return kv + HEADROOM_BUFFERS
+
+
 def cap_for(args: argparse.Namespace, model_bytes: int) -> int:
     if args.cap is not None:
         return parse_bytes(args.cap)
@@ -285,10 +302,11 @@ def measure(args: argparse.Namespace, data: Path, peer: Peer, precisions: list[P
             return str(args.capped_expert_cache)
         fp = footprints.setdefault(p.name, run.moetier_footprint(paths[p.name]["container"], work / f"probe-{p.name}",
                                                                  cpus, args.in_process))
-        cache = cap - sum(fp.values()) - parse_bytes(args.headroom)
+        room = headroom_bytes(args)
+        cache = cap - sum(fp.values()) - room
         if cache <= 0:
             raise InvalidArgument(f"cap {cap / 1e9:.2f} GB leaves no expert cache for moetier: its footprint is "
-                                  f"{sum(fp.values()) / 1e9:.2f} GB + headroom {args.headroom}; give --cap")
+                                  f"{sum(fp.values()) / 1e9:.2f} GB + headroom {room / 2**20:.0f} MiB; give --cap")
         return f"{cache / 2**30:.2f}GiB"
 
     blocks_out = []
