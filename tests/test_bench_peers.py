@@ -248,7 +248,8 @@ def test_the_converter_fallback_accepts_only_gpt2_byte_level(tmp_path: Path) -> 
 def _trial(text: str, decode: float, ttft: float) -> dict[str, object]:
     d = {"ttft_s": ttft, "decode_tok_s": decode, "cores_busy": 1.5, "read_bytes": 10}
     return {"decode": d, "decode_repeat": {**d, "ttft_s": ttft / 10}, "texts": [text, text],
-            "prefill": {"prefill_tok_s": 100.0}, "baseline_rss": {"gateway": 5, "router": 7}, "peak_rss": 3}
+            "prefill": {"prefill_tok_s": 100.0}, "baseline_rss": {"gateway": 5, "router": 7}, "peak_rss": 3,
+            "peak_rss_by_process": {"gateway": 6, "router": 9 + decode}}
 
 
 def test_report_spreads_ratios_and_the_text_check() -> None:
@@ -257,6 +258,10 @@ def test_report_spreads_ratios_and_the_text_check() -> None:
     sa, sb = report.summarize(a), report.summarize(b)
     assert sa["decode_tok_s"] == {"min": 2.0, "median": 3.0, "max": 4.0, "n": 3}
     assert sa["baseline_rss_by_process"] == {"gateway": 5, "router": 7}
+    assert sa["peak_rss_by_process"] == {"gateway": 6, "router": 12.0}  # the median of each process's peaks
+    assert "peak RSS:     gateway 0 MB" in report.table({
+        "precision": "q4", "regime": "resident", "describe": "", "cap_bytes": None, "notes": [], "ratios": [],
+        "text_check": {"same_text": True}, "systems": {"moetier (moetier up)": {"summary": sa}}})
     assert report.ratio(sa["decode_tok_s"], sb["decode_tok_s"]) == pytest.approx(0.15)
     assert report.text_check({"x": a, "y": b}) == {"same_text": True, "text": "same"}
     diff = report.text_check({"x": a, "y": [_trial("sane", 1.0, 1.0)]})
@@ -295,6 +300,9 @@ def test_moetier_up_and_in_process_through_the_trial(tiny: Path, tmp_path: Path)
     assert set(up["baseline_rss"]) == {"up", "router", "expert_store", "dense_worker", "gateway"}
     assert all(v > 10 << 20 for v in up["baseline_rss"].values())  # a Python process each
     assert set(engine["baseline_rss"]) == {"engine"}
+    for r in (up, engine):  # each process's peak since its start: at least its RSS at the start
+        assert r["peak_rss_by_process"].keys() == r["baseline_rss"].keys()
+        assert all(r["peak_rss_by_process"][k] >= v for k, v in r["baseline_rss"].items())
     want = _greedy_text(tiny, prompts.decode, 8)
     for r in (up, engine):
         assert r["texts"] == [want, want]

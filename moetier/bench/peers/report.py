@@ -42,11 +42,13 @@ def spread(values: Iterable[float | None]) -> dict[str, float] | None:
 
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {k: spread(get(t) for t in trials) for k, get in METRICS.items()}
-    services: dict[str, list[int]] = {}
-    for t in trials:
-        for name, b in (t.get("baseline_rss") or {}).items():
-            services.setdefault(name, []).append(b)
-    out["baseline_rss_by_process"] = {k: statistics.median(v) for k, v in services.items()}
+    for key in ("baseline_rss", "peak_rss_by_process"):
+        services: dict[str, list[int]] = {}
+        for t in trials:
+            for name, b in (t.get(key) or {}).items():
+                services.setdefault(name, []).append(b)
+        out["baseline_rss_by_process" if key == "baseline_rss" else key] = {
+            k: statistics.median(v) for k, v in services.items()}
     out["failed"] = [f"round {t['round'] + 1}: {t['error']}" for t in trials if t.get("error")]
     return out
 
@@ -107,6 +109,8 @@ def table(block: dict[str, Any]) -> str:
         base = sm["baseline_rss_by_process"]
         if len(base) > 1 or label.startswith("moetier"):
             lines.append("  " + " " * 4 + "baseline RSS: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in base.items()))
+            if peak := sm.get("peak_rss_by_process"):
+                lines.append("  " + " " * 4 + "peak RSS:     " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in peak.items()))
     for r in block["ratios"]:
         lines.append(f"  ratio {r['system']} / {r['against']}: decode {_r(r['decode'])}, prefill {_r(r['prefill'])}, "
                      f"TTFT {_r(r['ttft'])} (lower is better)")

@@ -122,6 +122,7 @@ def trial(row: Row, block: Block, rnd: int, prompts: Prompts, work: Path, *, cpu
                               "prefill_tok_s": n_prefill / pf.ttft_s if pf.ttft_s > 0 else None}
             out["texts"] = [d1.text, d2.text]
             out["peak_rss"] = system.sandbox.peak_rss
+            out["peak_rss_by_process"] = system.peaks()
             out["peak_memory"] = system.sandbox.peak_memory()
             if cg is not None:
                 out["memory_stat"] = {k: v for k, v in cg.memory_stat().items()

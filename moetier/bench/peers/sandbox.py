@@ -63,11 +63,11 @@ def descendants(root: int, proc: Path = PROC) -> list[int]:
     return out
 
 
-def rss_bytes(pid: int, proc: Path = PROC) -> int:
-    """Resident set of one process (VmRSS), 0 when it is gone."""
+def rss_bytes(pid: int, proc: Path = PROC, field: str = "VmRSS") -> int:
+    """Resident set of one process (VmRSS; VmHWM: its peak so far), 0 when it is gone."""
     try:
         for line in (proc / str(pid) / "status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -112,9 +112,17 @@ class System:
         wait_ready(self.url, lambda: self.proc is not None and self.proc.poll() is None, START_TIMEOUT_S,
                    f"{self.label} (log {self.work / 'server.log'}):\n" + "\n".join(lines[-15:]))
 
+    def processes(self) -> dict[str, int]:
+        """Its processes by the name the tables give them -> pid."""
+        return dict(self.pids)
+
     def baseline(self) -> dict[str, int]:
         """RSS of each of its processes now (call right after start: before any request)."""
-        return {name: rss_bytes(pid) for name, pid in self.pids.items()}
+        return {name: rss_bytes(pid) for name, pid in self.processes().items()}
+
+    def peaks(self) -> dict[str, int]:
+        """Peak RSS of each of its processes since it started (VmHWM; call before stop)."""
+        return {name: rss_bytes(pid, field="VmHWM") for name, pid in self.processes().items()}
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -205,9 +213,9 @@ class MoetierUp(System):
                 raise Unavailable(f"{self.label} did not come up (log {self.work / 'server.log'}):\n"
                                   + "\n".join(lines[-25:]))
 
-    def baseline(self) -> dict[str, int]:
-        """RSS of each service (and of `moetier up`, the supervisor)."""
-        return {("up" if name == self.kind else name): rss_bytes(pid) for name, pid in self.pids.items()}
+    def processes(self) -> dict[str, int]:
+        """Each service, and `moetier up` (the supervisor) as "up"."""
+        return {("up" if name == self.kind else name): pid for name, pid in self.pids.items()}
 
 
 @dataclass
@@ -227,6 +235,6 @@ class MoetierInProcess(System):
     def env(self) -> dict[str, str]:
         return {k: v for k, v in os.environ.items() if not k.startswith("MOETIER_")}
 
-    def baseline(self) -> dict[str, int]:
+    def processes(self) -> dict[str, int]:
         assert self.proc is not None
-        return {"engine": rss_bytes(self.proc.pid)}
+        return {"engine": self.proc.pid}
