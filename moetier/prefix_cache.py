@@ -383,7 +383,7 @@ class PrefixCache:
     def stats(self) -> PrefixStats:
         with self._lock:
             s = self._stats
-            return PrefixStats(len(self._entries), sum(e.memory for e in self._entries.values() if e.arrays is not None),
+            return PrefixStats(len(self._entries), self._held_bytes(),
                                sum(e.nbytes for e in self._entries.values() if e.on_disk), s.lookups,
                                s.query_tokens, s.hit_tokens, s.inserts, s.evictions, s.files_written,
                                s.files_rejected, s.write_errors, dict(s.by_source))

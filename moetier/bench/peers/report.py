@@ -40,15 +40,19 @@ def spread(values: Iterable[float | None]) -> dict[str, float] | None:
     return {"min": min(v), "median": statistics.median(v), "max": max(v), "n": len(v)}
 
 
+def _median_by_process(trials: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Each process's median over the trials of the {process: bytes} under `key`."""
+    services: dict[str, list[int]] = {}
+    for t in trials:
+        for name, b in (t.get(key) or {}).items():
+            services.setdefault(name, []).append(b)
+    return {k: statistics.median(v) for k, v in services.items()}
+
+
 def summarize(trials: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {k: spread(get(t) for t in trials) for k, get in METRICS.items()}
-    for key in ("baseline_rss", "peak_rss_by_process"):
-        services: dict[str, list[int]] = {}
-        for t in trials:
-            for name, b in (t.get(key) or {}).items():
-                services.setdefault(name, []).append(b)
-        out["baseline_rss_by_process" if key == "baseline_rss" else key] = {
-            k: statistics.median(v) for k, v in services.items()}
+    out["baseline_rss_by_process"] = _median_by_process(trials, "baseline_rss")
+    out["peak_rss_by_process"] = _median_by_process(trials, "peak_rss_by_process")
     out["failed"] = [f"round {t['round'] + 1}: {t['error']}" for t in trials if t.get("error")]
     return out
 
@@ -90,6 +94,10 @@ def _fmt_spread(s: dict[str, float] | None, scale: float = 1.0, digits: int = 2)
     return f"{mid:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
+def _mb_each(by_process: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in by_process.items())
+
+
 def table(block: dict[str, Any]) -> str:
     """The block as text: one row per system, then the ratios and the text check."""
     head = (f"{block['precision']} · {block['regime']}"
@@ -108,9 +116,9 @@ def table(block: dict[str, Any]) -> str:
             lines.append(f"    FAILED {failure[:300]}")
         base = sm["baseline_rss_by_process"]
         if len(base) > 1 or label.startswith("moetier"):
-            lines.append("  " + " " * 4 + "baseline RSS: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in base.items()))
+            lines.append("      baseline RSS: " + _mb_each(base))
             if peak := sm.get("peak_rss_by_process"):
-                lines.append("  " + " " * 4 + "peak RSS:     " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in peak.items()))
+                lines.append("      peak RSS:     " + _mb_each(peak))
     for r in block["ratios"]:
         lines.append(f"  ratio {r['system']} / {r['against']}: decode {_r(r['decode'])}, prefill {_r(r['prefill'])}, "
                      f"TTFT {_r(r['ttft'])} (lower is better)")
