@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from moetier.bench.peers.client import Counters, complete
 from moetier.bench.peers.gguf_convert import is_gpt2_pre_tokenizer
 from moetier.bench.peers.peer import Peer, find_peer
 from moetier.bench.peers.sandbox import (
+    CGROUP_PREFIX,
     Cgroup,
     ReadAhead,
     Sandbox,
@@ -147,6 +149,27 @@ def test_cgroup_files_with_a_fake_hierarchy(tmp_path: Path) -> None:
     assert (cg.memory_bytes(), cg.peak_memory_bytes(), cg.cpu_seconds()) == (123, 456, 2.5)
     assert cg.memory_stat() == {"cache": 100, "rss": 20, "mapped_file": 7}
     assert cg.procs() == []
+
+
+@pytest.mark.skipif(cgroup_v1_available() is not None, reason=f"no v1 cgroups here: {cgroup_v1_available()}")
+def test_a_killed_runs_cgroup_and_what_runs_in_it_are_removed_and_a_live_runs_kept() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # its PID stands for a benchmark killed before its clean-up
+    left = Cgroup(f"{CGROUP_PREFIX}{gone.pid}").create()
+    live = Cgroup(f"{CGROUP_PREFIX}{os.getpid()}").create()  # a run still going: this process
+    server = subprocess.Popen(["sleep", "60"], preexec_fn=left.join)
+    try:
+        said: list[str] = []
+        assert Cgroup.remove_leftovers(CGROUP_PREFIX, say=said.append) == [left.name]
+        assert server.wait(timeout=10) == -signal.SIGKILL
+        assert not left.path("memory").exists() and not left.path("cpuacct").exists()
+        assert live.path("memory").exists() and live.path("cpuacct").exists()
+        assert len(said) == 1 and left.name in said[0] and str(server.pid) in said[0]
+    finally:
+        server.kill()
+        server.wait()
+        left.remove()
+        live.remove()
 
 
 @pytest.mark.skipif(cgroup_v1_available() is not None, reason=f"no v1 cgroups here: {cgroup_v1_available()}")

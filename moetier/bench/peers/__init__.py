@@ -45,7 +45,14 @@ from typing import Any
 from moetier.bench.peers import inputs, report, run
 from moetier.bench.peers.inputs import PRECISIONS, Precision
 from moetier.bench.peers.peer import LLAMA_CPP_PYTHON, Peer, install, require_peer
-from moetier.bench.peers.sandbox import ReadAhead, block_device, cgroup_v1_available, sigterm_as_interrupt
+from moetier.bench.peers.sandbox import (
+    CGROUP_PREFIX,
+    Cgroup,
+    ReadAhead,
+    block_device,
+    cgroup_v1_available,
+    sigterm_as_interrupt,
+)
 from moetier.bench.peers.systems import LlamaCpp, MoetierInProcess, MoetierUp, System
 from moetier.errors import InvalidArgument
 from moetier.settings import load_settings, parse_bytes
@@ -141,6 +148,8 @@ def main(args: argparse.Namespace) -> int:
     note = data / "peers" / "read_ahead.restore.json"
     ReadAhead.restore_leftover(note, say)
     no_cgroup = cgroup_v1_available()
+    if not no_cgroup:
+        Cgroup.remove_leftovers(CGROUP_PREFIX, say=say)
     if "capped" in regimes and no_cgroup:
         say(f"capped regime skipped: {no_cgroup}")
         regimes = [r for r in regimes if r != "capped"]

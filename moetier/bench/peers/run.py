@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from moetier.bench.peers.client import Counters, Timed, complete
-from moetier.bench.peers.sandbox import Cgroup, ReadAhead, drop_page_cache
+from moetier.bench.peers.sandbox import CGROUP_PREFIX, Cgroup, ReadAhead, drop_page_cache
 from moetier.bench.peers.systems import MoetierInProcess, MoetierUp, System
 from moetier.errors import MoetierError
 
@@ -96,7 +96,7 @@ def trial(row: Row, block: Block, rnd: int, prompts: Prompts, work: Path, *, cpu
           tokens: int, use_cgroups: bool, ra: ReadAhead | None, say: Say) -> dict[str, Any]:
     system = row.make(work / f"{block.precision}-{block.regime}-{_slug(row.label)}-r{rnd}")
     system.label = row.label
-    cg = Cgroup(f"moetier-peers-{os.getpid()}", limit_bytes=block.cap_bytes) if use_cgroups else None
+    cg = Cgroup(f"{CGROUP_PREFIX}{os.getpid()}", limit_bytes=block.cap_bytes) if use_cgroups else None
     out: dict[str, Any] = {"round": rnd}
     dropped = drop_page_cache()
     try:

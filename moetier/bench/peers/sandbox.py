@@ -12,6 +12,7 @@ the disk's read-ahead, the page cache.
 
 `Cgroup` creates one group in each v1 hierarchy used (memory, cpuacct), with an optional
 memory limit; a child joins it in its `preexec_fn`, so the whole tree it starts is inside.
+`Cgroup.remove_leftovers` removes the groups of a killed run, stopping what still runs there.
 `ReadAhead` sets a block device's read_ahead_kb and always puts the old value back: on
 exit, on Ctrl-C or an error, and, after a SIGKILL of the benchmark, on the next run (the
 old value is written to a note file before it is changed).
@@ -35,6 +36,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 SYSFS = Path("/sys")
 PROC = Path("/proc")
 CONTROLLERS = ("memory", "cpuacct")
+CGROUP_PREFIX = "moetier-peers-"  # + the benchmark's PID: one group per trial of a run
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -182,6 +184,40 @@ class Cgroup:
                 self._empty(p)
                 with contextlib.suppress(OSError):
                     p.rmdir()
+
+    @classmethod
+    def remove_leftovers(cls, prefix: str, root: Path = CGROUP_ROOT,
+                         say: Callable[[str], None] = print) -> list[str]:
+        """Remove the groups named `prefix` + a PID that is no longer running, with whatever
+        still runs in them: what a benchmark killed before its clean-up left behind (a
+        llama.cpp server there kept a CPU busy through the next runs' trials). A group whose
+        PID runs belongs to a live benchmark and is left alone. The names removed."""
+        names: set[str] = set()
+        for c in CONTROLLERS:
+            with contextlib.suppress(OSError):
+                names.update(d.name for d in (root / c).iterdir()
+                             if d.is_dir() and d.name.startswith(prefix) and d.name[len(prefix):].isdigit())
+        removed = []
+        for name in sorted(names):
+            if _running(int(name[len(prefix):])):
+                continue
+            group = cls(name, root=root)
+            left = group.procs()
+            group.remove()
+            removed.append(name)
+            say(f"removed cgroup {name}, left by an interrupted run"
+                + (f", and stopped the {len(left)} process(es) still in it: {left}" if left else ""))
+        return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 # ---- one system's process tree ---------------------------------------------------------------
