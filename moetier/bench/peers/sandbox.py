@@ -199,7 +199,7 @@ class Cgroup:
                              if d.is_dir() and d.name.startswith(prefix) and d.name[len(prefix):].isdigit())
         removed = []
         for name in sorted(names):
-            if _running(int(name[len(prefix):])):
+            if _running(int(name.removeprefix(prefix))):
                 continue
             group = cls(name, root=root)
             left = group.procs()
@@ -212,11 +212,11 @@ class Cgroup:
 
 def _running(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only asks whether it exists
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # it exists, as another user's process
     return True
 
 
