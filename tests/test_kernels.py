@@ -419,6 +419,32 @@ def test_every_simd_path_gives_the_portable_bits(path: str) -> None:
 
 
 @pytest.mark.skipif(not c_available(), reason="the C extension is not built")
+@pytest.mark.parametrize("path", [b for b in BACKENDS if b not in ("c-portable", "numba")] or ["none"])
+def test_quantized_weights_with_extreme_scales_give_the_portable_bits(path: str) -> None:
+    """Group scales anywhere in float16 -- subnormal, the smallest and largest normal, zero,
+    negative, infinite -- against the portable path on every token count of the int4 and
+    int8 kernels: a path that forms a value another exact way (int4's high nibble as
+    16 * nibble times scale / 16) must round exactly as the contract's fma(nibble, scale,
+    -8 * scale) there too."""
+    if path == "none":
+        pytest.skip("this CPU runs no SIMD path of the C kernels")
+    rng = np.random.default_rng(37)
+    simd, portable = FastOps(path, threads=2), FastOps("c-portable", threads=2)  # type: ignore[arg-type]
+    finite = np.array([0x0001, 0x03FF, 0x0400, 0x7BFF, 0x0000, 0x8001, 0xFBFF, 0x3C00, 0xB555], dtype=np.uint16)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for dtype in ("int4", "int8"):
+            for rows, cols, g in ((8, 2048, 64), (16, 1024, 32), (6, 544, 32)):
+                w = quantize(rand(rng, rows, cols), dtype, g)  # type: ignore[arg-type]
+                assert w.scales is not None
+                bits = w.scales.view(np.uint16)
+                bits[:] = finite[rng.integers(0, finite.size, bits.shape)]
+                bits[0, 1] = 0x7C00  # one row with an infinite scale
+                for t in (1, 2, 3, 4, 5, 6, 7, 13, 17, 40):
+                    x = rand(rng, t, cols)
+                    assert same_bits(simd.linear(x, w), portable.linear(x, w)), (dtype, rows, cols, g, t)
+
+
+@pytest.mark.skipif(not c_available(), reason="the C extension is not built")
 def test_int8_activations_same_bits_on_every_path_and_close_to_exact() -> None:
     """The int8-activation contract (lossy, opt-in): every C path gives the portable path's
     bits; the result stays within a few per cent of the exact kernels on random data
