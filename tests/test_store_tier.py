@@ -124,6 +124,32 @@ def test_evicted_buffers_are_reused_only_when_unreferenced(index: ExpertIndex) -
         assert tier.stats().io.buffers_reused > 0  # type: ignore[union-attr]
 
 
+def test_a_burst_of_evictions_keeps_its_buffers_for_the_reads_it_makes_room_for(index: ExpertIndex) -> None:
+    """Waves of four new experts into a full tier whose pool keeps one idle buffer: the
+    evictions that make room keep their buffers for the four reads (no buffer is mapped
+    once the budget is filled), the idle buffers never hold more than the budget leaves,
+    and every record read is its file's bytes."""
+    budget = 6 * REC
+    with ExpertTier.open(index, TierConfig(budget_bytes=budget), depth=1, free_buffers=1) as tier:
+        for e0 in (0, 4):
+            with tier.acquire(1, range(e0, e0 + 4)):
+                pass
+        io = tier.stats().io
+        filled, reused = io.buffers_allocated, io.buffers_reused  # type: ignore[union-attr]
+        for _ in range(3):
+            for e0 in (0, 4):
+                with tier.acquire(1, range(e0, e0 + 4)) as ex:
+                    assert {e: bytes(v) for e, v in ex.items()} == {e: file_bytes(index, (1, e))
+                                                                    for e in range(e0, e0 + 4)}
+                del ex  # (a record still held is never recycled)
+                s = tier.stats()
+                assert s.resident_bytes + tier.engine.pool.free_buffers * REC <= budget
+        s = tier.stats()
+        assert s.io.buffers_allocated == filled  # type: ignore[union-attr]
+        # each wave finds at most two of its four experts left by the one before (six fit)
+        assert s.io.buffers_reused - reused >= 6 * 2  # type: ignore[union-attr]
+
+
 def test_prefetch_useful_wasted_and_dropped(index: ExpertIndex) -> None:
     cfg = TierConfig(budget_bytes=6 * REC, prefetch_limit=2, prefetch_max_age=1)
     with ExpertTier.open(index, cfg, depth=1) as tier:

@@ -55,10 +55,14 @@ class BufferPool:
             self.allocated += 1
         return alloc_aligned(self.nbytes)
 
-    def reclaim(self, holder: Holder | Any, attr: str = "buf") -> bool:
+    def reclaim(self, holder: Holder | Any, attr: str = "buf", wanted: int = 0) -> bool:
         """Take the buffer out of `holder.attr` (set to None) and keep it for reuse if
         nothing else refers to it. Taking it from its holder, rather than as an argument,
-        keeps the count free of the callers' frames. Returns whether it was kept."""
+        keeps the count free of the callers' frames. `wanted`: buffers the caller knows
+        reads will take soon (a tier evicting to make room for reads it is about to queue),
+        kept beyond `max_free` up to that many, so that a burst of evictions is not unmapped
+        only for the reads right after it to map and fault in as many fresh buffers. Returns
+        whether it was kept."""
         buf = getattr(holder, attr)
         setattr(holder, attr, None)
         if buf is None:
@@ -69,7 +73,7 @@ class BufferPool:
         if not isinstance(buf, np.ndarray) or buf.nbytes != self.nbytes or refs > self._exclusive_refs:
             return False  # someone still holds a view of it: the GC frees it when they let go
         with self._lock:
-            if len(self._free) >= self.max_free:
+            if len(self._free) >= max(self.max_free, wanted):
                 return False
             self._free.append(buf)
         return True

@@ -162,9 +162,15 @@ class IOEngine:
         await asyncio.gather(*(wait_future(f) for f in futs.values()), return_exceptions=True)
         return _gather(futs)
 
-    def reclaim(self, holder: Any, attr: str = "buf") -> bool:
-        """Take a record buffer out of `holder.attr` and reuse it if nothing else refers to it."""
-        return self.pool.reclaim(holder, attr)
+    def reclaim(self, holder: Any, attr: str = "buf", wanted: int = 0) -> bool:
+        """Take a record buffer out of `holder.attr` and reuse it if nothing else refers to it
+        (`wanted`: see `BufferPool.reclaim`)."""
+        return self.pool.reclaim(holder, attr, wanted)
+
+    @property
+    def reading(self) -> int:
+        """Reads running now, each holding a buffer."""
+        return self._stats.inflight
 
     # ---- the workers ----------------------------------------------------------------
     def _work(self) -> None:

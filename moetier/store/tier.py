@@ -443,7 +443,12 @@ class ExpertTier:
             self._stats.prefetch_wasted_by_layer[key[0]] += 1
         e.value = e.ready = None  # drop every reference of ours so the buffer can be recycled
         if self._arena is None:  # (a tier in shared memory never evicts; its slots are never pooled)
-            self.engine.reclaim(e)
+            # evictions make room for reads: the records being loaded that hold no buffer yet
+            # (queued, or about to be) will take this one. Kept for them, the pool's idle
+            # buffers stay within the budget (ready + those reads' bytes); dropped, each would
+            # be unmapped here and a fresh one mapped and faulted in by the read.
+            wanted = self._loading_bytes // self.index.record_bytes - self.engine.reading
+            self.engine.reclaim(e, wanted=wanted)
 
     # ---- preload --------------------------------------------------------------------
     def preload(self) -> tuple[int, int, int]:
