@@ -433,12 +433,15 @@ def test_quantized_weights_with_extreme_scales_give_the_portable_bits(path: str)
     finite = np.array([0x0001, 0x03FF, 0x0400, 0x7BFF, 0x0000, 0x8001, 0xFBFF, 0x3C00, 0xB555], dtype=np.uint16)
     with np.errstate(over="ignore", invalid="ignore"):
         for dtype in ("int4", "int8"):
-            for rows, cols, g in ((8, 2048, 64), (16, 1024, 32), (6, 544, 32)):
+            for rows, cols, g in ((12, 2048, 64), (16, 1024, 32), (10, 544, 32)):
                 w = quantize(rand(rng, rows, cols), dtype, g)  # type: ignore[arg-type]
                 assert w.scales is not None
                 bits = w.scales.view(np.uint16)
-                bits[:] = finite[rng.integers(0, finite.size, bits.shape)]
-                bits[0, 1] = 0x7C00  # one row with an infinite scale
+                # each row's groups of one magnitude (so an error at a tiny scale is not lost
+                # beside a huge one in the sum), row 0 mixed, with one infinite scale
+                bits[:] = finite[np.arange(rows) % finite.size][:, None] ^ rng.integers(0, 2, bits.shape, dtype=np.uint16)
+                bits[0] = finite[rng.integers(0, finite.size, bits.shape[1])]
+                bits[0, 1] = 0x7C00
                 for t in (1, 2, 3, 4, 5, 6, 7, 13, 17, 40):
                     x = rand(rng, t, cols)
                     assert same_bits(simd.linear(x, w), portable.linear(x, w)), (dtype, rows, cols, g, t)
