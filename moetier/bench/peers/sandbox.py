@@ -196,7 +196,7 @@ class Cgroup:
         for c in CONTROLLERS:
             with contextlib.suppress(OSError):
                 names.update(d.name for d in (root / c).iterdir()
-                             if d.is_dir() and d.name.startswith(prefix) and d.name[len(prefix):].isdigit())
+                             if d.is_dir() and d.name.startswith(prefix) and d.name.removeprefix(prefix).isdigit())
         removed = []
         for name in sorted(names):
             if _running(int(name.removeprefix(prefix))):
