@@ -125,6 +125,7 @@ static struct {
     atomic_int nranges;                 /* range words of the published job (a hint) */
     _Atomic int64_t spin_ns;            /* mt_pool_set_spin: idle polling before sleeping */
     atomic_int parked;                  /* mt_pool_park: 1 until the next job, polling helpers sleep */
+    _Atomic uint64_t jobs;              /* jobs published so far: a sleeper woken for one polls */
     pthread_mutex_t mu;                 /* guards the cv wait; nothing else */
     pthread_cond_t cv;
     /* range r: chunks [lo, hi) of the published job not yet claimed, as hi << 32 | lo */
@@ -212,7 +213,15 @@ static void pool_wait_for_work(void) {
     }
     pthread_mutex_lock(&pool.mu);
     atomic_fetch_add_explicit(&pool.sleeping, 1, memory_order_seq_cst);
-    while (atomic_load_explicit(&pool.go, memory_order_seq_cst) == 0) pthread_cond_wait(&pool.cv, &pool.mu);
+    /* A job published after this point ends the wait even when it has finished by the time
+     * this helper runs (go is 0 again): a vCPU that halted takes up to half a millisecond to
+     * wake, longer than a small job, and a helper that went back to sleep then would miss
+     * every call of a burst. It polls for the next one instead, as it does after a job it
+     * took part in. */
+    const uint64_t seen = atomic_load_explicit(&pool.jobs, memory_order_relaxed);
+    while (atomic_load_explicit(&pool.go, memory_order_seq_cst) == 0 &&
+           atomic_load_explicit(&pool.jobs, memory_order_relaxed) == seen)
+        pthread_cond_wait(&pool.cv, &pool.mu);
     atomic_fetch_sub_explicit(&pool.sleeping, 1, memory_order_relaxed);
     pthread_mutex_unlock(&pool.mu);
 }
@@ -277,6 +286,7 @@ void mt_pool_run(int nthreads, int64_t nchunks, chunk_fn fn, void *ctx) {
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed); /* ordered by the releases below */
     atomic_store_explicit(&pool.left, nchunks, memory_order_relaxed);
     atomic_store_explicit(&pool.parked, 0, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.jobs, 1, memory_order_relaxed); /* before go: see pool_wait_for_work */
     /* one range per thread of the call, the helpers that exist; never more ranges than chunks */
     int64_t nr = pool.nhelpers + 1 < nthreads ? pool.nhelpers + 1 : nthreads;
     if (nr > nchunks) nr = nchunks;
