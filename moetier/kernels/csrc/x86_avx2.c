@@ -634,10 +634,11 @@ MT_AVX2 static void pairs_rows(const linear_ctx *k, int64_t r0, int nr, float *s
  * sixteen lanes in st between blocks, so every lane still adds its columns in increasing
  * order: the bits of pairs_rows. The rows of the buffer are R4_PAD floats apart so the
  * four rows' loads do not share an L1 set at any column count. Measured on Zen 3 (AVX2
- * only), one thread, both builds alternating in one process, int4 g64: 1408 x 2048 at 16
- * tokens 52 -> 60 GFLOP/s (the probe's peak: about 101), at 7 tokens 45 -> 53, at 31
- * 49 -> 61; blocks of 256 or 1024 columns were slower than 512; from 48 tokens the
- * outer-product path (many_min) is faster still (T = 64: 73 against 54). */
+ * only), both builds alternating in one process, int4 g64, 1408 x 2048: at 16 tokens 52 ->
+ * 65 GFLOP/s on one thread (the probe's peak: about 101), 101 -> 131 on two; at 7 tokens
+ * 45 -> 60, at 31 50 -> 68 (one thread); blocks of 256 or 1024 columns were slower than
+ * 512. Against the outer-product path (many_min), one thread: this kernel 69 GFLOP/s to its
+ * 56 at 32 tokens, 58 to 61 at 64, 54 to 69 at 96. */
 #ifndef MT_AVX2_R4_MIN
 #define MT_AVX2_R4_MIN 7 /* tokens from which pairs_rows4 beats pairs_rows (6: even, 7: pairs_rows would run 6 + 1) */
 #endif
@@ -680,52 +681,74 @@ MT_AVX2 static void r4_dequant(const qmat *w, int64_t r0, int64_t c0, int64_t c1
     }
 }
 
-#define R4_ACC(i)                                                                                          \
-    __m256 a##i##0 = _mm256_loadu_ps(st + i * ss), a##i##1 = NT > 1 ? _mm256_loadu_ps(st + i * ss + 16) : a##i##0, \
-           a##i##2 = NT > 2 ? _mm256_loadu_ps(st + i * ss + 32) : a##i##0
-#define R4_FMA(i)                                                                                          \
-    do {                                                                                                   \
-        const __m256 wv = _mm256_loadu_ps(wb + i * ws + c);                                                \
-        a##i##0 = _mm256_fmadd_ps(wv, x0, a##i##0);                                                        \
-        if (NT > 1) a##i##1 = _mm256_fmadd_ps(wv, x1, a##i##1);                                            \
-        if (NT > 2) a##i##2 = _mm256_fmadd_ps(wv, x2, a##i##2);                                            \
-    } while (0)
-#define R4_STORE(i)                                                                                        \
-    do {                                                                                                   \
-        _mm256_storeu_ps(st + i * ss, a##i##0);                                                            \
-        if (NT > 1) _mm256_storeu_ps(st + i * ss + 16, a##i##1);                                           \
-        if (NT > 2) _mm256_storeu_ps(st + i * ss + 32, a##i##2);                                           \
-    } while (0)
-
-/* one half (eight lanes) of rows 0..3 x NT (<= 3) tokens over n columns: wb and xq at the
- * half's first value, x of token j at xq + j * C, (row i, token j) at st + i * ss + j * 16 */
-MT_AVX2 INLINE void r4_tile(const float *wb, int64_t ws, const float *xq, int64_t C, int64_t n, float *st,
-                            int64_t ss, const int NT) {
-    R4_ACC(0);
-    R4_ACC(1);
-    R4_ACC(2);
-    R4_ACC(3);
-    for (int64_t c = 0; c < n; c += 16) {
-        const __m256 x0 = _mm256_loadu_ps(xq + c);
-        const __m256 x1 = NT > 1 ? _mm256_loadu_ps(xq + C + c) : x0;
-        const __m256 x2 = NT > 2 ? _mm256_loadu_ps(xq + 2 * C + c) : x0;
-        R4_FMA(0);
-        R4_FMA(1);
-        R4_FMA(2);
-        R4_FMA(3);
-    }
-    R4_STORE(0);
-    R4_STORE(1);
-    R4_STORE(2);
-    R4_STORE(3);
+/* One half (eight lanes) of rows 0..3 x three (two) tokens over n > 0 columns, written out
+ * in assembly: wb and xq at the half's first value, row i's values at wb + i * R4_WS, x of
+ * token j at xq + j * C, the accumulator of (row i, token j) at st + i * ss + j * 16, held in
+ * ymm(3i + j) meanwhile; the tokens' x in ymm12-14, a row's values in ymm15. Each fma is the
+ * contract's acc = fma(w, x, acc) per lane, the columns in increasing order. Written in C,
+ * the compiler read x or the row's values from memory in every fma (13 loads per 12 fmas
+ * instead of 7), or kept two accumulators on the stack once told not to: 1408 x 2048 at 16
+ * tokens, one thread, Zen 3, alternating builds, 56 -> 62 GFLOP/s (31 tokens: 59 -> 65). */
+#define R4_WS (R4_COLS + R4_PAD) /* floats between the buffer's rows: built into the tiles' loops */
+#define R4_ROW2(i, a0, a1)                                                                                 \
+    "vmovups %c[d" #i "](%[w],%[c]), %%ymm15\n\t"                                                          \
+    "vfmadd231ps %%ymm15, %%ymm12, %%ymm" #a0 "\n\t"                                                       \
+    "vfmadd231ps %%ymm15, %%ymm13, %%ymm" #a1 "\n\t"
+MT_AVX2 static void r4_tile_2(const float *wb, const float *xq, int64_t C, int64_t n, float *st, int64_t ss) {
+    int64_t c = 0;
+    __asm__ volatile(
+        "vmovups (%[s0]), %%ymm0\n\t vmovups 64(%[s0]), %%ymm1\n\t"
+        "vmovups (%[s0],%[sb]), %%ymm3\n\t vmovups 64(%[s0],%[sb]), %%ymm4\n\t"
+        "vmovups (%[s2]), %%ymm6\n\t vmovups 64(%[s2]), %%ymm7\n\t"
+        "vmovups (%[s2],%[sb]), %%ymm9\n\t vmovups 64(%[s2],%[sb]), %%ymm10\n\t"
+        "1:\n\t"
+        "vmovups (%[x0],%[c]), %%ymm12\n\t"
+        "vmovups (%[x1],%[c]), %%ymm13\n\t"
+        R4_ROW2(0, 0, 1) R4_ROW2(1, 3, 4) R4_ROW2(2, 6, 7) R4_ROW2(3, 9, 10)
+        "add $64, %[c]\n\t"
+        "cmp %[n], %[c]\n\t"
+        "jl 1b\n\t"
+        "vmovups %%ymm0, (%[s0])\n\t vmovups %%ymm1, 64(%[s0])\n\t"
+        "vmovups %%ymm3, (%[s0],%[sb])\n\t vmovups %%ymm4, 64(%[s0],%[sb])\n\t"
+        "vmovups %%ymm6, (%[s2])\n\t vmovups %%ymm7, 64(%[s2])\n\t"
+        "vmovups %%ymm9, (%[s2],%[sb])\n\t vmovups %%ymm10, 64(%[s2],%[sb])\n\t"
+        : [c] "+r"(c)
+        : [x0] "r"(xq), [x1] "r"(xq + C), [w] "r"(wb), [n] "r"(n * 4), [s0] "r"(st), [s2] "r"(st + 2 * ss),
+          [sb] "r"(ss * 4), [d0] "i"(0), [d1] "i"(R4_WS * 4), [d2] "i"(2 * R4_WS * 4), [d3] "i"(3 * R4_WS * 4)
+        : "xmm0", "xmm1", "xmm3", "xmm4", "xmm6", "xmm7", "xmm9", "xmm10", "xmm12", "xmm13", "xmm15", "cc", "memory");
 }
-MT_AVX2 static void r4_tile_2(const float *wb, int64_t ws, const float *xq, int64_t C, int64_t n, float *st,
-                              int64_t ss) {
-    r4_tile(wb, ws, xq, C, n, st, ss, 2);
-}
-MT_AVX2 static void r4_tile_3(const float *wb, int64_t ws, const float *xq, int64_t C, int64_t n, float *st,
-                              int64_t ss) {
-    r4_tile(wb, ws, xq, C, n, st, ss, 3);
+#define R4_ROW3(i, a0, a1, a2)                                                                             \
+    "vmovups %c[d" #i "](%[w],%[c]), %%ymm15\n\t"                                                          \
+    "vfmadd231ps %%ymm15, %%ymm12, %%ymm" #a0 "\n\t"                                                       \
+    "vfmadd231ps %%ymm15, %%ymm13, %%ymm" #a1 "\n\t"                                                       \
+    "vfmadd231ps %%ymm15, %%ymm14, %%ymm" #a2 "\n\t"
+#define R4_ACC3(op, r, a0, a1, a2, base)                                                                   \
+    op " " #base ", %%ymm" #a0 "\n\t" op " 64+" #base ", %%ymm" #a1 "\n\t" op " 128+" #base ", %%ymm" #a2 "\n\t"
+MT_AVX2 static void r4_tile_3(const float *wb, const float *xq, int64_t C, int64_t n, float *st, int64_t ss) {
+    int64_t c = 0;
+    __asm__ volatile(
+        "vmovups (%[s0]), %%ymm0\n\t vmovups 64(%[s0]), %%ymm1\n\t vmovups 128(%[s0]), %%ymm2\n\t"
+        "vmovups (%[s0],%[sb]), %%ymm3\n\t vmovups 64(%[s0],%[sb]), %%ymm4\n\t vmovups 128(%[s0],%[sb]), %%ymm5\n\t"
+        "vmovups (%[s2]), %%ymm6\n\t vmovups 64(%[s2]), %%ymm7\n\t vmovups 128(%[s2]), %%ymm8\n\t"
+        "vmovups (%[s2],%[sb]), %%ymm9\n\t vmovups 64(%[s2],%[sb]), %%ymm10\n\t vmovups 128(%[s2],%[sb]), %%ymm11\n\t"
+        "1:\n\t"
+        "vmovups (%[x0],%[c]), %%ymm12\n\t"
+        "vmovups (%[x1],%[c]), %%ymm13\n\t"
+        "vmovups (%[x2],%[c]), %%ymm14\n\t"
+        R4_ROW3(0, 0, 1, 2) R4_ROW3(1, 3, 4, 5) R4_ROW3(2, 6, 7, 8) R4_ROW3(3, 9, 10, 11)
+        "add $64, %[c]\n\t"
+        "cmp %[n], %[c]\n\t"
+        "jl 1b\n\t"
+        "vmovups %%ymm0, (%[s0])\n\t vmovups %%ymm1, 64(%[s0])\n\t vmovups %%ymm2, 128(%[s0])\n\t"
+        "vmovups %%ymm3, (%[s0],%[sb])\n\t vmovups %%ymm4, 64(%[s0],%[sb])\n\t vmovups %%ymm5, 128(%[s0],%[sb])\n\t"
+        "vmovups %%ymm6, (%[s2])\n\t vmovups %%ymm7, 64(%[s2])\n\t vmovups %%ymm8, 128(%[s2])\n\t"
+        "vmovups %%ymm9, (%[s2],%[sb])\n\t vmovups %%ymm10, 64(%[s2],%[sb])\n\t vmovups %%ymm11, 128(%[s2],%[sb])\n\t"
+        : [c] "+r"(c)
+        : [x0] "r"(xq), [x1] "r"(xq + C), [x2] "r"(xq + 2 * C), [w] "r"(wb), [n] "r"(n * 4), [s0] "r"(st),
+          [s2] "r"(st + 2 * ss), [sb] "r"(ss * 4), [d0] "i"(0), [d1] "i"(R4_WS * 4), [d2] "i"(2 * R4_WS * 4),
+          [d3] "i"(3 * R4_WS * 4)
+        : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11", "xmm12",
+          "xmm13", "xmm14", "xmm15", "cc", "memory");
 }
 
 /* Rows [r0, r0 + RB) of every token (T > 1) from xp; buf: MT_PAIR_BUF floats. */
@@ -733,7 +756,7 @@ MT_AVX2 static void pairs_rows4(const linear_ctx *k, int64_t r0, float *buf) {
     const qmat *w = k->w;
     const int64_t T = k->T, C = w->cols, R = w->rows;
     const int64_t bc = C < R4_COLS ? C : R4_COLS / w->g * w->g; /* whole groups (g <= R4_COLS) */
-    const int64_t ws = bc + R4_PAD, ss = T * 16;
+    const int64_t ws = R4_WS, ss = T * 16;
     float *wb = buf, *st = buf + RB * ws;
     memset(st, 0, sizeof(float) * (size_t)(RB * ss));
     const int64_t ntiles = (T + 2) / 3;
@@ -745,8 +768,8 @@ MT_AVX2 static void pairs_rows4(const linear_ctx *k, int64_t r0, float *buf) {
             for (int h = 0; h < 16; h += 8) {
                 const float *xq = k->xp + t0 * C + c0 + h;
                 float *s = st + t0 * 16 + h;
-                if (nt == 3) r4_tile_3(wb + h, ws, xq, C, c1 - c0, s, ss);
-                else r4_tile_2(wb + h, ws, xq, C, c1 - c0, s, ss); /* T >= 2 tokens: tiles of 2 or 3 */
+                if (nt == 3) r4_tile_3(wb + h, xq, C, c1 - c0, s, ss);
+                else r4_tile_2(wb + h, xq, C, c1 - c0, s, ss); /* T >= 2 tokens: tiles of 2 or 3 */
             }
             t0 += nt;
         }
