@@ -762,8 +762,6 @@ MT_AVX2 static void r4_tile_2(const float *wb, const float *xq, int64_t C, int64
     "vfmadd231ps %%ymm15, %%ymm12, %%ymm" #a0 "\n\t"                                                       \
     "vfmadd231ps %%ymm15, %%ymm13, %%ymm" #a1 "\n\t"                                                       \
     "vfmadd231ps %%ymm15, %%ymm14, %%ymm" #a2 "\n\t"
-#define R4_ACC3(op, r, a0, a1, a2, base)                                                                   \
-    op " " #base ", %%ymm" #a0 "\n\t" op " 64+" #base ", %%ymm" #a1 "\n\t" op " 128+" #base ", %%ymm" #a2 "\n\t"
 MT_AVX2 static void r4_tile_3(const float *wb, const float *xq, int64_t C, int64_t n, float *st, int64_t ss) {
     int64_t c = 0;
     __asm__ volatile(
@@ -791,7 +789,7 @@ MT_AVX2 static void r4_tile_3(const float *wb, const float *xq, int64_t C, int64
           "xmm13", "xmm14", "xmm15", "cc", "memory");
 }
 
-/* Rows [r0, r0 + RB) of every token (T > 1) from xp; buf: MT_PAIR_BUF floats. */
+/* Rows [r0, r0 + RB) of every token (T > 1) from xp (int4) or x (int8); buf: MT_PAIR_BUF floats. */
 MT_AVX2 static void pairs_rows4(const linear_ctx *k, int64_t r0, float *buf) {
     const qmat *w = k->w;
     const int64_t T = k->T, C = w->cols, R = w->rows;
@@ -1029,7 +1027,7 @@ static void linear_block_avx2(const linear_ctx *k, int64_t r0, float *buf) {
     }
     /* one token: the pairs kernel (int4) or the int8 one (a last block of fewer rows: below) */
     if (k->xp && T > 1) { /* int4, several tokens (xp holds them all) */
-        if (T >= MT_AVX2_R4_MIN && nr == RB && w->g <= R4_COLS && RB * (R4_COLS + R4_PAD) + RB * T * 16 <= MT_PAIR_BUF)
+        if (T >= MT_AVX2_R4_MIN && nr == RB && w->g <= R4_COLS && RB * R4_WS + RB * T * 16 <= MT_PAIR_BUF)
             pairs_rows4(k, r0, buf);
         else
             pairs_rows(k, r0, nr, buf);
