@@ -380,8 +380,8 @@ def test_backends_give_identical_bits() -> None:
 def test_every_simd_path_gives_the_portable_bits(path: str) -> None:
     """Each SIMD path against the portable C path, bit for bit, on the shapes where the
     paths differ most: every token count of the fused decode kernels (1-4) and of the
-    batched ones (5-13, 17, 31: the most that AVX2's few-token kernels take, every tile split of
-    the few-token kernels; 100: more than the 96 tokens whose accumulators a batched kernel
+    batched ones (5-13, 17, 31: the most that AVX2's few-token kernels take, in tiles of
+    three and two tokens; 100: more than the 96 tokens whose accumulators a batched kernel
     keeps at once), chunk tails (columns not a multiple of 16), groups that do
     and do not split a chunk of 16, every dtype, bias or none; attention with head counts
     and widths that leave partial tiles; softmax and rmsnorm lengths around 8 and 16."""
