@@ -789,6 +789,12 @@ MT_AVX2 static void r4_tile_3(const float *wb, const float *xq, int64_t C, int64
           "xmm13", "xmm14", "xmm15", "cc", "memory");
 }
 
+/* Whether pairs_rows4 takes a block of nr rows of T tokens: a whole block, groups that fit a
+ * column block, and T tokens' lanes beside the buffer in MT_PAIR_BUF. */
+static inline int r4_takes(const qmat *w, int64_t T, int nr) {
+    return nr == RB && w->g <= R4_COLS && RB * R4_WS + RB * T * 16 <= MT_PAIR_BUF;
+}
+
 /* Rows [r0, r0 + RB) of every token (T > 1) from xp (int4) or x (int8); buf: MT_PAIR_BUF floats. */
 MT_AVX2 static void pairs_rows4(const linear_ctx *k, int64_t r0, float *buf) {
     const qmat *w = k->w;
@@ -1027,15 +1033,14 @@ static void linear_block_avx2(const linear_ctx *k, int64_t r0, float *buf) {
     }
     /* one token: the pairs kernel (int4) or the int8 one (a last block of fewer rows: below) */
     if (k->xp && T > 1) { /* int4, several tokens (xp holds them all) */
-        if (T >= MT_AVX2_R4_MIN && nr == RB && w->g <= R4_COLS && RB * R4_WS + RB * T * 16 <= MT_PAIR_BUF)
+        if (T >= MT_AVX2_R4_MIN && r4_takes(w, T, nr))
             pairs_rows4(k, r0, buf);
         else
             pairs_rows(k, r0, nr, buf);
         return;
     }
-    const int int8_one = T == 1 && w->dtype == DT_INT8 && w->g % 16 == 0 && C % w->g == 0;
-    if (T >= MT_AVX2_R4_MIN8 && nr == RB && w->dtype == DT_INT8 && w->g % 16 == 0 && C % w->g == 0 &&
-        w->g <= R4_COLS && RB * R4_WS + RB * T * 16 <= MT_PAIR_BUF) { /* int8, several tokens */
+    const int int8_whole = w->dtype == DT_INT8 && w->g % 16 == 0 && C % w->g == 0, int8_one = T == 1 && int8_whole;
+    if (int8_whole && T >= MT_AVX2_R4_MIN8 && r4_takes(w, T, nr)) { /* int8, several tokens */
         pairs_rows4(k, r0, buf);
         return;
     }
