@@ -191,6 +191,9 @@ typedef struct mt_isa {
      * per 2 * RB rows); 1 where done, 0 where not its case. buf: the 64-byte aligned buffer of
      * linear_block, at least MT_PAIR_BUF floats. */
     int (*linear_pair)(const linear_ctx *k, int64_t r0, float *buf);
+    /* optional, one token: rows [r0, r0 + n) in lanes (mt_lanes), where the ISA has a lane
+     * kernel for w; returns how many rows it did from r0 (a multiple of RB, maybe 0) */
+    int64_t (*linear_lanes)(const linear_ctx *k, int64_t r0, int64_t n);
     /* optional: the whole linear for T >= many_min tokens (its own split into chunks);
      * returns 0 or -1 (no memory) */
     int (*linear_many)(int nthreads, const float *x, int64_t T, const qmat *w, const float *bias, float *y);
@@ -236,6 +239,30 @@ const mt_isa *mt_isa_by_name(const char *name); /* NULL: unknown here */
 const mt_isa *mt_isa_best(void);                /* the best one this CPU supports */
 
 /* ---------------------------------------------------------------- shared scalar helpers */
+
+/* Lanes: a one-token kernel that works on nl rows at once takes them from nl lanes, each a
+ * contiguous stretch of L rows, rows r0 + i * L + j for lane i at step j, rather than nl
+ * neighbouring rows: each lane then reads its own stretch of memory in order, one ascending
+ * stream a page, the pattern a hardware prefetcher follows (neighbouring rows of 1 KiB put
+ * four interleaved streams in each 4 KiB page), and the kernel prefetches each lane's own
+ * stream MT_LANE_PF bytes ahead. Which rows run together decides nothing in any row's
+ * arithmetic: the same bits. mt_lanes returns L for the whole lanes of [r0, r0 + n) clipped
+ * to R (0: none) and prefetches each lane's first MT_LANE_PF bytes and first scales. */
+#ifndef MT_LANE_PF
+#define MT_LANE_PF 1024
+#endif
+static inline int64_t mt_lanes(const qmat *w, int64_t r0, int64_t n, int nl) {
+    if (r0 + n > w->rows) n = w->rows - r0;
+    const int64_t unit = nl % RB == 0 ? nl : nl * RB; /* whole blocks, whole lanes */
+    const int64_t L = n / unit * unit / nl;
+    for (int i = 0; L && i < nl; i++) {
+        const int64_t r = r0 + i * L;
+        const char *d = (const char *)w->data + r * w->row_bytes;
+        for (int64_t o = 0; o < MT_LANE_PF; o += 64) __builtin_prefetch(d + o, 0, MT_PF_LOCALITY);
+        if (w->scales) __builtin_prefetch(w->scales + r * w->ngroups, 0, MT_PF_LOCALITY);
+    }
+    return L;
+}
 
 static inline int64_t mt_round16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 

@@ -157,17 +157,22 @@ static void linear_chunk(void *ctx, int64_t chunk) {
         atomic_store(&k->failed, 1);
         return;
     }
+    int64_t b = b0;
+    if (k->T == 1 && k->isa->linear_lanes) { /* one token: the rows in lanes (mt_lanes), where the ISA has them */
+        b += k->isa->linear_lanes(k, b0 * RB, (b1 - b0) * RB) / RB;
+        if (b == b1) return;
+    }
     if (k->T <= TBMAX) { /* the decode kernels prefetch blocks ahead; fetch the chunk's first ones now */
         const qmat *w = k->w;
-        const int64_t nb = b1 - b0 < MT_CHUNK_PROLOGUE ? b1 - b0 : MT_CHUNK_PROLOGUE;
-        const char *d = (const char *)w->data + b0 * RB * w->row_bytes;
+        const int64_t nb = b1 - b < MT_CHUNK_PROLOGUE ? b1 - b : MT_CHUNK_PROLOGUE;
+        const char *d = (const char *)w->data + b * RB * w->row_bytes;
         for (int64_t o = 0; o < nb * RB * w->row_bytes; o += 64) __builtin_prefetch(d + o, 0, MT_PF_LOCALITY);
         if (w->scales) {
-            const char *sc = (const char *)(w->scales + b0 * RB * w->ngroups);
+            const char *sc = (const char *)(w->scales + b * RB * w->ngroups);
             for (int64_t o = 0; o < nb * RB * w->ngroups * 2; o += 64) __builtin_prefetch(sc + o, 0, MT_PF_LOCALITY);
         }
     }
-    for (int64_t b = b0; b < b1;) {
+    while (b < b1) {
         if (b + 1 < b1 && k->isa->linear_pair && k->isa->linear_pair(k, b * RB, buf)) {
             b += 2;
             continue;

@@ -461,12 +461,16 @@ MT_AVX2 INLINE float hsum16_pairs(__m256 e, __m256 o) {
 /* Two rows: their four accumulators, two scales and two -8 * scales stay in registers
  * (four rows spill them: measured slower). G: the group size, a constant where it is a
  * common one, so the loop over a group's chunks unrolls. */
-MT_AVX2 INLINE void pairs_1x2_g(const qmat *w, int64_t r0, const float *xp, float *o, const int64_t G) {
+MT_AVX2 INLINE void pairs_1x2_g(const qmat *w, int64_t r0, int64_t r1, const int lanes, const float *xp, float *o,
+                                const int64_t G) {
     const int64_t rb = w->row_bytes, ng = w->ngroups;
-    const uint8_t *p0 = w->data + r0 * rb, *p1 = p0 + rb;
-    const uint16_t *s = w->scales + r0 * ng;
+    const uint8_t *p0 = w->data + r0 * rb, *p1 = w->data + r1 * rb;
+    const uint16_t *s = w->scales + r0 * ng, *s1 = w->scales + r1 * ng;
     const __m256i m4 = _mm256_set1_epi32(0x0F), m40 = _mm256_set1_epi32(0xF0);
-    const char *ahead = (const char *)(p0 + PAIRS_AHEAD * rb); /* past the end: a prefetch never faults */
+    /* the rows PAIRS_AHEAD ahead of a block, or each lane's own stream MT_LANE_PF bytes ahead
+     * (mt_lanes); past the end: a prefetch never faults */
+    const char *ahead = (const char *)p0 + (lanes ? MT_LANE_PF : PAIRS_AHEAD * rb);
+    const char *ahead1 = lanes ? (const char *)p1 + MT_LANE_PF : ahead + rb;
     float sc[6][8] __attribute__((aligned(32))); /* scale, -8 * scale and scale / 16 of eight groups, per row */
     ACC(0);
     ACC(1);
@@ -475,7 +479,7 @@ MT_AVX2 INLINE void pairs_1x2_g(const qmat *w, int64_t r0, const float *xp, floa
         const int nn = ng - g0 < 8 ? (int)(ng - g0) : 8;
         if (nn == 8) {
             const __m256 f0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g0)));
-            const __m256 f1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + ng + g0)));
+            const __m256 f1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s1 + g0)));
             _mm256_store_ps(sc[0], f0);
             _mm256_store_ps(sc[1], _mm256_mul_ps(f0, _mm256_set1_ps(-8.0f)));
             _mm256_store_ps(sc[2], f1);
@@ -484,7 +488,7 @@ MT_AVX2 INLINE void pairs_1x2_g(const qmat *w, int64_t r0, const float *xp, floa
             _mm256_store_ps(sc[5], _mm256_mul_ps(f1, _mm256_set1_ps(0.0625f)));
         } else {
             for (int j = 0; j < nn; j++) {
-                const float f0 = _cvtsh_ss(s[g0 + j]), f1 = _cvtsh_ss(s[ng + g0 + j]);
+                const float f0 = _cvtsh_ss(s[g0 + j]), f1 = _cvtsh_ss(s1[g0 + j]);
                 sc[0][j] = f0;
                 sc[1][j] = -8.0f * f0;
                 sc[2][j] = f1;
@@ -499,8 +503,9 @@ MT_AVX2 INLINE void pairs_1x2_g(const qmat *w, int64_t r0, const float *xp, floa
             const __m256 h0 = _mm256_broadcast_ss(&sc[4][j]), h1 = _mm256_broadcast_ss(&sc[5][j]);
             for (int64_t c = 0; c < G; c += 32) {
                 _mm_prefetch(ahead, MT_PF_HINT);
-                _mm_prefetch(ahead + rb, MT_PF_HINT);
+                _mm_prefetch(ahead1, MT_PF_HINT);
                 ahead += 16;
+                ahead1 += 16;
                 PAIRS_ROW(0, p0, s0, h0, m0, xq);
                 PAIRS_ROW(1, p1, s1, h1, m1, xq);
                 p0 += 16;
@@ -513,13 +518,18 @@ MT_AVX2 INLINE void pairs_1x2_g(const qmat *w, int64_t r0, const float *xp, floa
     o[1] = hsum16_pairs(a1l, a1h);
 }
 
-MT_AVX2 static void pairs_1x2(const qmat *w, int64_t r0, const float *xp, float *o) {
+/* rows r0 and r1: neighbours (lanes 0) or one step of two lanes (lanes 1) */
+MT_AVX2 static void pairs_1x2_rows(const qmat *w, int64_t r0, int64_t r1, const int lanes, const float *xp, float *o) {
     switch (w->g) {
-    case 32: pairs_1x2_g(w, r0, xp, o, 32); break;
-    case 64: pairs_1x2_g(w, r0, xp, o, 64); break;
-    case 128: pairs_1x2_g(w, r0, xp, o, 128); break;
-    default: pairs_1x2_g(w, r0, xp, o, w->g); break;
+    case 32: pairs_1x2_g(w, r0, r1, lanes, xp, o, 32); break;
+    case 64: pairs_1x2_g(w, r0, r1, lanes, xp, o, 64); break;
+    case 128: pairs_1x2_g(w, r0, r1, lanes, xp, o, 128); break;
+    default: pairs_1x2_g(w, r0, r1, lanes, xp, o, w->g); break;
     }
+}
+
+MT_AVX2 static void pairs_1x2(const qmat *w, int64_t r0, const float *xp, float *o) {
+    pairs_1x2_rows(w, r0, r0 + 1, 0, xp, o);
 }
 
 /* 1 row x NT (<= 6) tokens of int4 weights, columns and groups in multiples of 32, x in
@@ -1015,6 +1025,22 @@ FUSED_DT(DT_BF16)
 FUSED_DT(DT_INT8)
 FUSED_DT(DT_INT4)
 
+/* One token of int4 weights in two lanes (mt_lanes) through the pairs kernel. int8 weights
+ * stay in blocks: int8_1x4 in four lanes measured no faster (Xeon, AVX2 path, 2 threads). */
+static int64_t linear_lanes_avx2(const linear_ctx *k, int64_t r0, int64_t n) {
+    if (k->T != 1 || !k->xp) return 0;
+    const qmat *w = k->w;
+    const int64_t L = mt_lanes(w, r0, n, 2);
+    for (int64_t j = 0; j < L; j++) {
+        const int64_t ra = r0 + j, rb = r0 + L + j;
+        float res[2];
+        pairs_1x2_rows(w, ra, rb, 1, k->xp, res);
+        k->y[ra] = k->bias ? res[0] + k->bias[ra] : res[0];
+        k->y[rb] = k->bias ? res[1] + k->bias[rb] : res[1];
+    }
+    return 2 * L;
+}
+
 static void linear_block_avx2(const linear_ctx *k, int64_t r0, float *buf) {
     const qmat *w = k->w;
     const int64_t R = w->rows, C = w->cols, T = k->T;
@@ -1508,6 +1534,7 @@ const mt_isa mt_isa_avx2 = {
     .name = "avx2",
     .supported = cpu_avx2,
     .linear_block = linear_block_avx2,
+    .linear_lanes = linear_lanes_avx2,
     .linear_many = linear_many_avx2,
     .many_min = MT_AVX2_MANY_MIN,
     .xp_order = MT_XP_PAIRS32,

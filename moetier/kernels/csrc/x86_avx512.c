@@ -274,8 +274,8 @@ chunk_w(const int dtype, const uint8_t *rp, int64_t c, __m512 tab, __m512i ctrl,
 }
 
 MT_VBMI static inline __attribute__((always_inline)) void
-fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, const int64_t *rows,
-         float out[TBMAX][RB]) {
+fused_tbl(const int dtype, const int tb, const int NR, const int lanes, const float *const *xr, const qmat *w,
+          const int64_t *rows, float *out) {
     const int64_t C = w->cols, cfull = C & ~(int64_t)15;
     const int quant = dtype == DT_INT8 || dtype == DT_INT4;
     /* columns per step of the outer loop: one quantization group (one scale per row), or
@@ -285,9 +285,9 @@ fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, c
     const int64_t step_bytes = dtype == DT_F32 ? 4 * step : dtype == DT_BF16 ? 2 * step
                              : dtype == DT_INT8 ? step : step / 2;
     const int64_t pfd = MT_PREFETCH_BLOCKS * RB * w->row_bytes;
-    const uint8_t *rp[RB];
-    const uint16_t *sp[RB];
-    for (int i = 0; i < RB; i++) {
+    const uint8_t *rp[2 * RB];
+    const uint16_t *sp[2 * RB];
+    for (int i = 0; i < NR; i++) {
         rp[i] = w->data + rows[i] * w->row_bytes;
         sp[i] = quant ? w->scales + rows[i] * w->ngroups : NULL;
     }
@@ -295,43 +295,50 @@ fused_tb(const int dtype, const int tb, const float *const *xr, const qmat *w, c
     const __m512i ctrl = _mm512_set_epi8(0, 0, 0, 60, 0, 0, 0, 56, 0, 0, 0, 52, 0, 0, 0, 48, 0, 0, 0, 44, 0, 0,
                                          0, 40, 0, 0, 0, 36, 0, 0, 0, 32, 0, 0, 0, 28, 0, 0, 0, 24, 0, 0, 0, 20,
                                          0, 0, 0, 16, 0, 0, 0, 12, 0, 0, 0, 8, 0, 0, 0, 4, 0, 0, 0, 0);
-    __m512 acc[TBMAX][RB], tab[RB];
+    __m512 acc[TBMAX][2 * RB], tab[2 * RB];
     for (int j = 0; j < tb; j++)
-        for (int i = 0; i < RB; i++) acc[j][i] = _mm512_setzero_ps();
-    for (int i = 0; i < RB; i++) tab[i] = _mm512_setzero_ps();
+        for (int i = 0; i < NR; i++) acc[j][i] = _mm512_setzero_ps();
+    for (int i = 0; i < NR; i++) tab[i] = _mm512_setzero_ps();
     int64_t s0 = 0, k = 0;
     for (; s0 < cfull; s0 += step, k++) {
-        for (int i = 0; i < RB; i++) {
-            _mm_prefetch((const char *)rp[i] + k * step_bytes + pfd, MT_PF_HINT);
+        for (int i = 0; i < NR; i++) {
+            if (!lanes)
+                _mm_prefetch((const char *)rp[i] + k * step_bytes + pfd, MT_PF_HINT);
+            else if (MT_LANE_PF) {
+                _mm_prefetch((const char *)rp[i] + k * step_bytes + MT_LANE_PF, MT_PF_HINT);
+                if (quant && (k & 15) == 0) _mm_prefetch((const char *)(sp[i] + k) + MT_LANE_PF / 16, MT_PF_HINT);
+            }
             if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][k])));
             if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(_cvtsh_ss(sp[i][k]));
         }
         const int64_t s1 = s0 + step < cfull ? s0 + step : cfull;
         for (int64_t c = s0; c < s1; c += 16) {
-            __m512 wv[RB];
-            for (int i = 0; i < RB; i++) wv[i] = chunk_w(dtype, rp[i], c, tab[i], ctrl, 0, 1);
+            __m512 wv[2 * RB];
+            for (int i = 0; i < NR; i++) wv[i] = chunk_w(dtype, rp[i], c, tab[i], ctrl, 0, 1);
             for (int j = 0; j < tb; j++) {
                 __m512 xv = _mm512_loadu_ps(xr[j] + c);
-                for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+                for (int i = 0; i < NR; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
             }
         }
     }
     if (cfull < C) { /* the tail chunk, in the group of column cfull */
         const __mmask16 m = (__mmask16)((1u << (C - cfull)) - 1u);
-        for (int i = 0; i < RB; i++) {
+        for (int i = 0; i < NR; i++) {
             if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][cfull / step])));
             if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(_cvtsh_ss(sp[i][cfull / step]));
         }
-        __m512 wv[RB];
-        for (int i = 0; i < RB; i++) wv[i] = chunk_w(dtype, rp[i], cfull, tab[i], ctrl, m, 0);
+        __m512 wv[2 * RB];
+        for (int i = 0; i < NR; i++) wv[i] = chunk_w(dtype, rp[i], cfull, tab[i], ctrl, m, 0);
         for (int j = 0; j < tb; j++) {
             __m512 xv = _mm512_maskz_loadu_ps(m, xr[j] + cfull);
-            for (int i = 0; i < RB; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
+            for (int i = 0; i < NR; i++) acc[j][i] = _mm512_fmadd_ps(wv[i], xv, acc[j][i]);
         }
     }
     for (int j = 0; j < tb; j++)
-        for (int i = 0; i < RB; i++) out[j][i] = hsum16_avx512(acc[j][i]);
+        for (int i = 0; i < NR; i++) out[j * NR + i] = hsum16_avx512(acc[j][i]);
 }
+
+#define fused_tb(dtype, tb, xr, w, rows, out) fused_tbl(dtype, tb, RB, 0, xr, w, rows, &(out)[0][0])
 
 #define FUSED_DT(DT)                                                                                   \
     MT_VBMI static void fused_##DT(int tb, const float *const *xr, const qmat *w, const int64_t *rows,  \
@@ -372,7 +379,7 @@ static void fused(int tb, const float *const *xr, const qmat *w, const int64_t *
  * chunk of a row is dequantized in registers once and used by every token of the tile (24
  * accumulators at NT = 6). */
 MT_AVX512 static inline __attribute__((always_inline)) void
-halves_tb(const int nt, const int NR, const qmat *w, const int64_t *rows, const float *const *xh,
+halves_tbl(const int nt, const int NR, const int lanes, const qmat *w, const int64_t *rows, const float *const *xh,
           float out[BMK_TOK][2 * RB]) {
     const int64_t C = w->cols, g = w->g, rb = w->row_bytes, ng = w->ngroups;
     const int64_t pfd = MT_HALVES_PREFETCH_BLOCKS * RB * rb;
@@ -400,8 +407,14 @@ halves_tb(const int nt, const int NR, const qmat *w, const int64_t *rows, const 
     float sc[2 * RB][16] __attribute__((aligned(64)));
     for (int64_t c0 = 0, gi = 0; c0 < C; c0 += g, gi++) {
         __m512 tab[2 * RB];
-        for (int64_t o = gi * per; o < (gi + 1) * per; o += 64) _mm_prefetch(pf + o, MT_PF_HINT);
-        if (gi * 64 < NR * ng * 2) _mm_prefetch(spf + gi * 64, MT_PF_HINT);
+        if (!lanes) {
+            for (int64_t o = gi * per; o < (gi + 1) * per; o += 64) _mm_prefetch(pf + o, MT_PF_HINT);
+            if (gi * 64 < NR * ng * 2) _mm_prefetch(spf + gi * 64, MT_PF_HINT);
+        } else if (MT_LANE_PF) {
+            for (int i = 0; i < NR; i++) _mm_prefetch((const char *)rp[i] + (c0 >> 1) + MT_LANE_PF, MT_PF_HINT);
+            if ((gi & 15) == 0)
+                for (int i = 0; i < NR; i++) _mm_prefetch((const char *)(sp[i] + gi) + MT_LANE_PF / 16, MT_PF_HINT);
+        }
         if ((gi & 15) == 0)
             for (int i = 0; i < NR; i++) {
                 if (ng - gi >= 16)
@@ -428,6 +441,7 @@ halves_tb(const int nt, const int NR, const qmat *w, const int64_t *rows, const 
         for (int i = 0; i < NR; i++) out[j][i] = hsum16_avx512(_mm512_permutexvar_ps(back, acc[j][i]));
 }
 
+#define halves_tb(nt, NR, w, rows, xh, out) halves_tbl(nt, NR, 0, w, rows, xh, out)
 #define HALVES_TB(NT)                                                                                    \
     MT_AVX512 static void halves_##NT(const qmat *w, const int64_t *rows, const float *const *xh,      \
                                       float out[BMK_TOK][2 * RB]) {                                    \
@@ -446,6 +460,42 @@ HALVES_TB(6)
 MT_AVX512 static void halves_1x2b(const qmat *w, const int64_t *rows, const float *const *xh,
                                   float out[BMK_TOK][2 * RB]) {
     halves_tb(1, 2 * RB, w, rows, xh, out);
+}
+
+MT_AVX512 static void halves_lanes(const qmat *w, const int64_t *rows, const float *const *xh,
+                                  float out[BMK_TOK][2 * RB]) {
+    halves_tbl(1, 2 * RB, 1, w, rows, xh, out);
+}
+
+static int fused_ok(const qmat *w, int64_t T);
+#define FUSED_LANES(DT)                                                                                  \
+    MT_VBMI static void fused_lanes_##DT(const float *x, const qmat *w, const int64_t *rows, float *out) { \
+        const float *xr[TBMAX] = {x};                                                                   \
+        fused_tbl(DT, 1, RB, 1, xr, w, rows, out);                                                      \
+    }
+FUSED_LANES(DT_F32)
+FUSED_LANES(DT_BF16)
+FUSED_LANES(DT_INT8)
+
+static int64_t linear_lanes_avx512(const linear_ctx *k, int64_t r0, int64_t n) {
+    const qmat *w = k->w;
+    if (k->T != 1 || (!k->xp && !(fused_ok(w, 1) && w->dtype != DT_INT4))) return 0;
+    const int nl = k->xp ? 2 * RB : RB;
+    const int64_t L = mt_lanes(w, r0, n, nl);
+    const float *xh[BMK_TOK] = {k->xp};
+    for (int64_t j = 0; j < L; j++) {
+        int64_t rows[2 * RB];
+        for (int i = 0; i < nl; i++) rows[i] = r0 + i * L + j;
+        float res[BMK_TOK][2 * RB];
+        switch (k->xp ? DT_INT4 : w->dtype) {
+        case DT_INT4: halves_lanes(w, rows, xh, res); break;
+        case DT_INT8: fused_lanes_DT_INT8(k->x, w, rows, res[0]); break;
+        case DT_BF16: fused_lanes_DT_BF16(k->x, w, rows, res[0]); break;
+        default: fused_lanes_DT_F32(k->x, w, rows, res[0]); break;
+        }
+        for (int i = 0; i < nl; i++) k->y[rows[i]] = k->bias ? res[0][i] + k->bias[rows[i]] : res[0][i];
+    }
+    return L * nl;
 }
 
 /* ---------------------------------------------------------------- batched: many tokens
@@ -940,6 +990,7 @@ const mt_isa mt_isa_avx512 = {
     .supported = cpu_avx512,
     .linear_block = linear_block_avx512,
     .linear_pair = linear_pair_avx512,
+    .linear_lanes = linear_lanes_avx512,
     .xp_order = MT_XP_HALVES16,
     .q8_rows = q8_rows_avx512,
     .tile = tile_avx512,
