@@ -421,12 +421,12 @@ def test_every_simd_path_gives_the_portable_bits(path: str) -> None:
 
 @pytest.mark.skipif(not c_available(), reason="the C extension is not built")
 @pytest.mark.parametrize("path", [b for b in BACKENDS if b not in ("c-portable", "numba")] or ["none"])
-def test_one_token_in_lanes_gives_the_portable_bits(path: str) -> None:
-    """One token over enough rows that a job's chunks span many blocks, so the one-token
-    kernels take their rows in lanes (each a contiguous stretch of rows, mt_lanes): rows
-    that fill whole lanes and rows that leave a rest of blocks or a partial last block, one
-    to three threads (other chunk splits), every dtype, bias or none; and an expert's FFN
-    of that size. Every row must come out with its own bits, in its own place."""
+def test_decode_rows_in_lanes_give_the_portable_bits(path: str) -> None:
+    """One to four tokens over enough rows that a job's chunks span many blocks, so the
+    decode kernels take their rows in lanes (each a contiguous stretch of rows, mt_lanes):
+    rows that fill whole lanes and rows that leave a rest of blocks or a partial last block,
+    one to three threads (other chunk splits), every dtype, bias or none; and an expert's
+    FFN of that size. Every row must come out with its own bits, in its own place."""
     if path == "none":
         pytest.skip("this CPU runs no SIMD path of the C kernels")
     rng = np.random.default_rng(43)
@@ -437,12 +437,14 @@ def test_one_token_in_lanes_gives_the_portable_bits(path: str) -> None:
             for rows, cols, g in ((64, 256, 64), (200, 512, 32), (258, 1408, 64), (1030, 96, 16)):
                 w = quantize(rand(rng, rows, cols), dtype, g)  # type: ignore[arg-type]
                 bias = rand(rng, rows) if rows % 4 else None
-                x = rand(rng, 1, cols)
-                got, want = simd.linear(x, w, bias), portable.linear(x, w, bias)
-                assert same_bits(got, want), (threads, dtype, rows, cols, g)
+                for t in (1, 2, 3, 4):
+                    x = rand(rng, t, cols)
+                    got, want = simd.linear(x, w, bias), portable.linear(x, w, bias)
+                    assert same_bits(got, want), (threads, dtype, rows, cols, g, t)
     ex = experts_of(rng, 1, 512, 1408, "int4", 64)[0]
-    x = rand(rng, 1, 512)
-    assert same_bits(FastOps(path, threads=2).expert_ffn(x, ex), portable.expert_ffn(x, ex))  # type: ignore[arg-type]
+    for t in (1, 3):
+        x = rand(rng, t, 512)
+        assert same_bits(FastOps(path, threads=2).expert_ffn(x, ex), portable.expert_ffn(x, ex))  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not c_available(), reason="the C extension is not built")

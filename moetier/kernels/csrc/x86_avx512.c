@@ -466,34 +466,65 @@ MT_AVX512 static void halves_lanes(const qmat *w, const int64_t *rows, const flo
                                   float out[BMK_TOK][2 * RB]) {
     halves_tbl(1, 2 * RB, 1, w, rows, xh, out);
 }
+#define HALVES_LANES(NT)                                                                                 \
+    MT_AVX512 static void halves_lanes_##NT(const qmat *w, const int64_t *rows, const float *const *xh, \
+                                            float out[BMK_TOK][2 * RB]) {                              \
+        halves_tbl(NT, RB, 1, w, rows, xh, out);                                                       \
+    }
+HALVES_LANES(2)
+HALVES_LANES(3)
+HALVES_LANES(4)
 
 static int fused_ok(const qmat *w, int64_t T);
 #define FUSED_LANES(DT)                                                                                  \
-    MT_VBMI static void fused_lanes_##DT(const float *x, const qmat *w, const int64_t *rows, float *out) { \
-        const float *xr[TBMAX] = {x};                                                                   \
-        fused_tbl(DT, 1, RB, 1, xr, w, rows, out);                                                      \
+    MT_VBMI static void fused_lanes_##DT(int tb, const float *const *xr, const qmat *w, const int64_t *rows, \
+                                         float *out) {                                                  \
+        switch (tb) {                                                                                  \
+        case 1: fused_tbl(DT, 1, RB, 1, xr, w, rows, out); break;                                      \
+        case 2: fused_tbl(DT, 2, RB, 1, xr, w, rows, out); break;                                      \
+        case 3: fused_tbl(DT, 3, RB, 1, xr, w, rows, out); break;                                      \
+        default: fused_tbl(DT, 4, RB, 1, xr, w, rows, out); break;                                     \
+        }                                                                                              \
     }
 FUSED_LANES(DT_F32)
 FUSED_LANES(DT_BF16)
 FUSED_LANES(DT_INT8)
 
+/* Decode (up to TBMAX tokens) in lanes (mt_lanes): int4 in halves order, one token in eight
+ * lanes (halves_tbl's two blocks), two to four in four; int8, bfloat16, float32 through the
+ * fused kernel in four. */
 static int64_t linear_lanes_avx512(const linear_ctx *k, int64_t r0, int64_t n) {
     const qmat *w = k->w;
-    if (k->T != 1 || (!k->xp && !(fused_ok(w, 1) && w->dtype != DT_INT4))) return 0;
-    const int nl = k->xp ? 2 * RB : RB;
+    const int64_t T = k->T, C = w->cols, R = w->rows;
+    if (T > TBMAX || (!k->xp && !(fused_ok(w, T) && w->dtype != DT_INT4))) return 0;
+    const int nl = k->xp && T == 1 ? 2 * RB : RB;
     const int64_t L = mt_lanes(w, r0, n, nl);
-    const float *xh[BMK_TOK] = {k->xp};
+    const float *xh[BMK_TOK], *xr[TBMAX];
+    for (int j = 0; j < BMK_TOK; j++) xh[j] = k->xp ? k->xp + (j < T ? j : 0) * C : NULL;
+    for (int j = 0; j < TBMAX; j++) xr[j] = k->x + (j < T ? j : 0) * C;
     for (int64_t j = 0; j < L; j++) {
         int64_t rows[2 * RB];
         for (int i = 0; i < nl; i++) rows[i] = r0 + i * L + j;
-        float res[BMK_TOK][2 * RB];
-        switch (k->xp ? DT_INT4 : w->dtype) {
-        case DT_INT4: halves_lanes(w, rows, xh, res); break;
-        case DT_INT8: fused_lanes_DT_INT8(k->x, w, rows, res[0]); break;
-        case DT_BF16: fused_lanes_DT_BF16(k->x, w, rows, res[0]); break;
-        default: fused_lanes_DT_F32(k->x, w, rows, res[0]); break;
+        float res[BMK_TOK][2 * RB], f[TBMAX * RB];
+        if (k->xp) {
+            switch (T) {
+            case 1: halves_lanes(w, rows, xh, res); break;
+            case 2: halves_lanes_2(w, rows, xh, res); break;
+            case 3: halves_lanes_3(w, rows, xh, res); break;
+            default: halves_lanes_4(w, rows, xh, res); break;
+            }
+        } else {
+            switch (w->dtype) {
+            case DT_INT8: fused_lanes_DT_INT8((int)T, xr, w, rows, f); break;
+            case DT_BF16: fused_lanes_DT_BF16((int)T, xr, w, rows, f); break;
+            default: fused_lanes_DT_F32((int)T, xr, w, rows, f); break;
+            }
         }
-        for (int i = 0; i < nl; i++) k->y[rows[i]] = k->bias ? res[0][i] + k->bias[rows[i]] : res[0][i];
+        for (int64_t t = 0; t < T; t++)
+            for (int i = 0; i < nl; i++) {
+                const float v = k->xp ? res[t][i] : f[t * RB + i];
+                k->y[t * R + rows[i]] = k->bias ? v + k->bias[rows[i]] : v;
+            }
     }
     return L * nl;
 }
