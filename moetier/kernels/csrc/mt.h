@@ -191,8 +191,8 @@ typedef struct mt_isa {
      * per 2 * RB rows); 1 where done, 0 where not its case. buf: the 64-byte aligned buffer of
      * linear_block, at least MT_PAIR_BUF floats. */
     int (*linear_pair)(const linear_ctx *k, int64_t r0, float *buf);
-    /* optional, one token: rows [r0, r0 + n) in lanes (mt_lanes), where the ISA has a lane
-     * kernel for w; returns how many rows it did from r0 (a multiple of RB, maybe 0) */
+    /* optional, decode (T <= TBMAX): rows [r0, r0 + n) in lanes (mt_lanes), where the ISA has
+     * a lane kernel for w and T; returns how many rows it did from r0 (a multiple of RB, maybe 0) */
     int64_t (*linear_lanes)(const linear_ctx *k, int64_t r0, int64_t n);
     /* optional: the whole linear for T >= many_min tokens (its own split into chunks);
      * returns 0 or -1 (no memory) */
@@ -240,7 +240,7 @@ const mt_isa *mt_isa_best(void);                /* the best one this CPU support
 
 /* ---------------------------------------------------------------- shared scalar helpers */
 
-/* Lanes: a one-token kernel that works on nl rows at once takes them from nl lanes, each a
+/* Lanes: a decode kernel that works on nl rows at once takes them from nl lanes, each a
  * contiguous stretch of L rows, rows r0 + i * L + j for lane i at step j, rather than nl
  * neighbouring rows: each lane then reads its own stretch of memory in order, one ascending
  * stream a page, the pattern a hardware prefetcher follows (neighbouring rows of 1 KiB put
