@@ -251,6 +251,9 @@ const mt_isa *mt_isa_best(void);                /* the best one this CPU support
 #ifndef MT_LANE_PF
 #define MT_LANE_PF 1024
 #endif
+#ifndef MT_LANES /* 0: rows in blocks as before lanes (a build to compare against: CFLAGS=-DMT_LANES=0) */
+#define MT_LANES 1
+#endif
 static inline int64_t mt_lanes(const qmat *w, int64_t r0, int64_t n, int nl) {
     if (r0 + n > w->rows) n = w->rows - r0;
     const int64_t unit = nl % RB == 0 ? nl : nl * RB; /* whole blocks, whole lanes */

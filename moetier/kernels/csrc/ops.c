@@ -158,7 +158,7 @@ static void linear_chunk(void *ctx, int64_t chunk) {
         return;
     }
     int64_t b = b0;
-    if (k->T <= TBMAX && k->isa->linear_lanes) { /* decode: the rows in lanes (mt_lanes), where the ISA has them */
+    if (MT_LANES && k->T <= TBMAX && k->isa->linear_lanes) { /* decode: the rows in lanes (mt_lanes), where the ISA has them */
         b += k->isa->linear_lanes(k, b0 * RB, (b1 - b0) * RB) / RB;
         if (b == b1) return;
     }
