@@ -280,7 +280,8 @@ fused_tbl(const int dtype, const int tb, const int NR, const int lanes, const fl
     const int quant = dtype == DT_INT8 || dtype == DT_INT4;
     /* columns per step of the outer loop: one quantization group (one scale per row), or
      * 64 columns for f32 / bf16; each step prefetches its bytes MT_PREFETCH_BLOCKS row
-     * blocks ahead. */
+     * blocks ahead, or in lanes (mt_lanes) MT_LANE_PF bytes ahead on its own row, and the
+     * scales as far ahead. */
     const int64_t step = quant ? w->g : 64;
     const int64_t step_bytes = dtype == DT_F32 ? 4 * step : dtype == DT_BF16 ? 2 * step
                              : dtype == DT_INT8 ? step : step / 2;
@@ -306,7 +307,8 @@ fused_tbl(const int dtype, const int tb, const int NR, const int lanes, const fl
                 _mm_prefetch((const char *)rp[i] + k * step_bytes + pfd, MT_PF_HINT);
             else if (MT_LANE_PF) {
                 _mm_prefetch((const char *)rp[i] + k * step_bytes + MT_LANE_PF, MT_PF_HINT);
-                if (quant && (k & 15) == 0) _mm_prefetch((const char *)(sp[i] + k) + MT_LANE_PF / 16, MT_PF_HINT);
+                if (quant && (k & 15) == 0) /* the scales of the groups MT_LANE_PF bytes ahead */
+                    _mm_prefetch((const char *)(sp[i] + k + MT_LANE_PF / step_bytes), MT_PF_HINT);
             }
             if (dtype == DT_INT4) tab[i] = _mm512_mul_ps(nib, _mm512_set1_ps(_cvtsh_ss(sp[i][k])));
             if (dtype == DT_INT8) tab[i] = _mm512_set1_ps(_cvtsh_ss(sp[i][k]));
