@@ -1314,6 +1314,9 @@ MT_AVX2 INLINE void q8_rows_dt(const int int4, const q8ctx *k, int64_t r0, int64
             rp[i] = w->data + r * w->row_bytes;
             for (int64_t gi = 0; gi < w->ngroups; gi++) wsv[gi * 8 + i] = _cvtsh_ss(w->scales[r * w->ngroups + gi]);
         }
+        /* the next eight rows, fetched while the first token walks these: one stream a row, a
+         * group of rows ahead (past the chunk or the matrix: a prefetch never faults) */
+        const int64_t ahead = 8 * w->row_bytes, bb = int4 ? 32 : 64; /* bytes of a row per block */
         for (int64_t t = 0; t < k->T; t++) {
             const int8_t *xq = k->xq + t * k->xstride;
             const float *xs = k->xs + t * nb;
@@ -1323,6 +1326,8 @@ MT_AVX2 INLINE void q8_rows_dt(const int int4, const q8ctx *k, int64_t r0, int64
                 const __m256 ws = _mm256_loadu_ps(wsv + gi * 8);
                 const int64_t b1 = b0 + gpb < nb ? b0 + gpb : nb;
                 for (int64_t b = b0; b < b1; b++) {
+                    if (t == 0 && ((b * bb) & 63) == 0)
+                        for (int i = 0; i < 8; i++) _mm_prefetch((const char *)rp[i] + ahead + b * bb, MT_PF_HINT);
                     __m256i isum = q8_block(int4, rp, b, xq + (int4 ? mt_q8_pos(DT_INT4, MT_Q8B * b) : MT_Q8B * b));
                     if (int4) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * xsum[b]));
                     acc = _mm256_fmadd_ps(_mm256_mul_ps(ws, _mm256_set1_ps(xs[b])), _mm256_cvtepi32_ps(isum), acc);
