@@ -189,6 +189,10 @@ MT_VNNI static void q8_rows_dt(const int int4, const q8ctx *k, int64_t r0, int64
     const qmat *w = k->w;
     const int64_t R = w->rows, T = k->T;
     tilectx c = {k, wsT, w->g / MT_Q8B};
+    { /* the chunk's first tile now: each tile prefetches the next, and no earlier one fetched this */
+        const int64_t first = (n < 16 ? n : 16) * w->row_bytes;
+        for (int64_t o = 0; o < first; o += 64) _mm_prefetch((const char *)(w->data + r0 * w->row_bytes) + o, MT_PF_HINT);
+    }
     for (int64_t s0 = r0; s0 < r0 + n; s0 += 16) {
         const int ns = (int)(r0 + n - s0 < 16 ? r0 + n - s0 : 16);
         int64_t rows[16];
@@ -207,13 +211,15 @@ MT_VNNI static void q8_rows_dt(const int int4, const q8ctx *k, int64_t r0, int64
             const int8_t *xt[4];
             for (int j = 0; j < TT; j++) xt[j] = k->xq + (t0 + j < T ? t0 + j : T - 1) * k->xstride;
             for (int i0 = 0; i0 < ns; i0 += RT) {
+                /* two to four tokens: the first pass over the blocks (its RT rows) fetches the next tile */
+                const uint8_t *npf = t0 == 0 && i0 == 0 ? pf : NULL;
                 __m512 acc;
                 if (TT == 1) acc = int4 ? tile(1, 16, 1, &c, rp, xt, 0, t0, pf, pf_step)
                                         : tile(0, 16, 1, &c, rp, xt, 0, t0, pf, pf_step);
-                else if (TT == 2) acc = int4 ? tile(1, 8, 2, &c, rp + i0, xt, i0, t0, NULL, 0)
-                                             : tile(0, 8, 2, &c, rp + i0, xt, i0, t0, NULL, 0);
-                else acc = int4 ? tile(1, 4, 4, &c, rp + i0, xt, i0, t0, NULL, 0)
-                                : tile(0, 4, 4, &c, rp + i0, xt, i0, t0, NULL, 0);
+                else if (TT == 2) acc = int4 ? tile(1, 8, 2, &c, rp + i0, xt, i0, t0, npf, pf_step)
+                                             : tile(0, 8, 2, &c, rp + i0, xt, i0, t0, npf, pf_step);
+                else acc = int4 ? tile(1, 4, 4, &c, rp + i0, xt, i0, t0, npf, pf_step)
+                                : tile(0, 4, 4, &c, rp + i0, xt, i0, t0, npf, pf_step);
                 float o[16];
                 _mm512_storeu_ps(o, acc);
                 for (int j = 0; j < TT && t0 + j < T; j++)
