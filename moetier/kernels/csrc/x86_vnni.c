@@ -202,7 +202,7 @@ MT_VNNI static void q8_rows_dt(const int int4, const q8ctx *k, int64_t r0, int64
             rp[i] = w->data + rows[i] * w->row_bytes;
         }
         scales_T(w, rows, wsT);
-        /* one token: the next tile's rows (contiguous) are prefetched a slice per step */
+        /* the next tile's rows (contiguous), prefetched a slice per step of its first pass below */
         const int64_t steps = int4 ? (k->nb + 1) / 2 : k->nb;
         const uint8_t *pf = s0 + 16 < r0 + n ? w->data + (s0 + 16) * w->row_bytes : NULL;
         const int64_t pf_step = (16 * w->row_bytes + steps - 1) / steps;
@@ -211,11 +211,12 @@ MT_VNNI static void q8_rows_dt(const int int4, const q8ctx *k, int64_t r0, int64
             const int8_t *xt[4];
             for (int j = 0; j < TT; j++) xt[j] = k->xq + (t0 + j < T ? t0 + j : T - 1) * k->xstride;
             for (int i0 = 0; i0 < ns; i0 += RT) {
-                /* two to four tokens: the first pass over the blocks (its RT rows) fetches the next tile */
+                /* the first pass over the tile's blocks (its first RT rows, first tokens) fetches the
+                 * next tile, once: later passes read rows already here */
                 const uint8_t *npf = t0 == 0 && i0 == 0 ? pf : NULL;
                 __m512 acc;
-                if (TT == 1) acc = int4 ? tile(1, 16, 1, &c, rp, xt, 0, t0, pf, pf_step)
-                                        : tile(0, 16, 1, &c, rp, xt, 0, t0, pf, pf_step);
+                if (TT == 1) acc = int4 ? tile(1, 16, 1, &c, rp, xt, 0, t0, npf, pf_step)
+                                        : tile(0, 16, 1, &c, rp, xt, 0, t0, npf, pf_step);
                 else if (TT == 2) acc = int4 ? tile(1, 8, 2, &c, rp + i0, xt, i0, t0, npf, pf_step)
                                              : tile(0, 8, 2, &c, rp + i0, xt, i0, t0, npf, pf_step);
                 else acc = int4 ? tile(1, 4, 4, &c, rp + i0, xt, i0, t0, npf, pf_step)
