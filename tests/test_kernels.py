@@ -584,6 +584,30 @@ def test_bad_inputs_raise_value_error_naming_shapes() -> None:
         FastOps("gpu")  # type: ignore[arg-type]
 
 
+
+def test_attention_positions_checked_for_few_and_many_rows() -> None:
+    """q_pos: integers of shape (T,), each within the cached positions, whichever way the check
+    runs (a decode step's few rows, or a prefill chunk's many); any integer dtype or layout
+    gives the bits of int64."""
+    ops = FastOps()
+    rng = np.random.default_rng(1)
+    for t in (1, 3, 64, 65, 130):
+        q, k, v = rand(rng, t, 4, 8), rand(rng, t + 2, 2, 8), rand(rng, t + 2, 2, 8)
+        pos = np.arange(2, t + 2, dtype=np.int64)
+        want = ops.attention(q, k, v, pos, 0.5)
+        for p in (pos.astype(np.int32), pos.astype(np.uint16), np.repeat(pos, 2)[::2]):
+            assert np.array_equal(bits(ops.attention(q, k, v, p, 0.5)), bits(want))
+        for bad, what in ((pos - 3, r"q_pos -1\.\."), (pos + 1, rf"\.\.{t + 2} outside the {t + 2}")):
+            with pytest.raises(ValueError, match=what):
+                ops.attention(q, k, v, bad, 0.5)
+        with pytest.raises(ValueError, match="q_pos must be integers"):
+            ops.attention(q, k, v, pos.astype(np.float32), 0.5)
+        with pytest.raises(ValueError, match="q_pos must be integers"):
+            ops.attention(q, k, v, pos > 0, 0.5)
+    ex = experts_of(rng, 2, 16, 8, "int4", 8)
+    with pytest.raises(ValueError, match="ids must be integers, got float32"):
+        ops.moe(rand(rng, 3, 16), np.zeros((3, 1), np.float32), np.ones((3, 1), np.float32), ex)
+
 def test_empty_batches() -> None:
     ops = FastOps()
     w = quantize(np.ones((4, 10), np.float32), "int8", 8)

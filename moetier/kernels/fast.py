@@ -538,11 +538,16 @@ class FastOps:
         if hkv < 1 or h % hkv:
             raise ValueError(f"attention: {h} query heads (q {q.shape}) are not a multiple of "
                              f"{hkv} key/value heads (k {k.shape})")
-        if pos.shape != (t,) or not np.issubdtype(pos.dtype, np.integer):
+        if pos.shape != (t,) or pos.dtype.kind not in "iu":
             raise ValueError(f"attention: q_pos must be integers of shape ({t},), got {pos.dtype} {pos.shape}")
-        pos = np.require(pos, np.int64, ["C", "A"])
-        if t and (pos.min() < 0 or pos.max() >= s):
-            raise ValueError(f"attention: q_pos {pos.min()}..{pos.max()} outside the {s} cached positions")
+        if pos.dtype != np.int64 or not (pos.flags.c_contiguous and pos.flags.aligned):
+            pos = np.require(pos, np.int64, ["C", "A"])
+        if t:
+            # a decode step's few positions: min and max of the list, without numpy's cost per call
+            few = pos.tolist() if t <= 64 else None
+            lo, hi = (min(few), max(few)) if few is not None else (int(pos.min()), int(pos.max()))
+            if lo < 0 or hi >= s:
+                raise ValueError(f"attention: q_pos {lo}..{hi} outside the {s} cached positions")
         if sinks is not None:
             sinks = _f32(sinks, "sinks")
             if sinks.shape != (h,):
@@ -606,7 +611,7 @@ class FastOps:
         ids_a = np.asarray(ids)
         if x.ndim != 2 or ids_a.ndim != 2 or ids_a.shape[0] != x.shape[0]:
             raise ValueError(f"{what}: want x [T, D], ids [T, K]; got x {x.shape}, ids {ids_a.shape}")
-        if not np.issubdtype(ids_a.dtype, np.integer):
+        if ids_a.dtype.kind not in "iu":
             raise ValueError(f"{what}: ids must be integers, got {ids_a.dtype}")
         return x, ids_a
 
