@@ -1045,3 +1045,39 @@ def test_the_c_steps_are_their_numpy_definitions_to_the_bit() -> None:
     rope = Rope(rand(rng, 32), 1.0, False)
     cos, sin = rand(rng, 2, 32), rand(rng, 2, 32)
     assert np.array_equal(bits(rope.apply(view, cos, sin)), bits(rope.apply_numpy(np.ascontiguousarray(view), cos, sin)))
+
+
+def test_gqa_block_refuses_misfits_by_name() -> None:
+    """FastOps.gqa_block (the fused GQA layer; its bits are checked against the layer's steps in
+    tests/test_model_forward.py): a cache, position or projection that does not fit is a
+    ValueError naming it, before any kernel runs."""
+    ops = FastOps()
+    if ops.backend == "numba":
+        pytest.skip("the fused layer is a C kernel call")
+    rng = np.random.default_rng(2)
+    d, h, hkv, hd, t, s = 32, 4, 2, 8, 1, 5
+    proj = [(quantize(rand(rng, r, d), "int4", 8), None) for r in (h * hd, hkv * hd, hkv * hd)]
+    wo = quantize(rand(rng, d, h * hd), "int4", 8)
+    x, norm = rand(rng, t, d), rand(rng, d)
+    cos, sin = rand(rng, t, 2), rand(rng, t, 2)
+    kc, vc = np.zeros((s, hkv, hd), np.float32), np.zeros((s, hkv, hd), np.float32)
+
+    def call(**kw: Any) -> Any:
+        a: dict[str, Any] = dict(x=x, norm=norm, eps=1e-6, qkv=proj, wo=wo, bo=None, q_norm=None, k_norm=None,
+                                 qk_mode=0, clip=None, heads=h, kv_heads=hkv, head_dim=hd, cos=cos, sin=sin,
+                                 interleave=False, k_cache=kc, v_cache=vc, q_pos=np.array([s - 1]), scale=0.3,
+                                 sinks=None, window=0)
+        a.update(kw)
+        return ops.gqa_block(**a)
+
+    assert call().shape == (t, d)
+    with pytest.raises(ValueError, match="k_cache must be a writeable C-contiguous float32"):
+        call(k_cache=kc.astype(np.float64))
+    with pytest.raises(ValueError, match=r"v_cache \(5, 2, 4\)"):
+        call(v_cache=np.zeros((s, hkv, 4), np.float32))
+    with pytest.raises(ValueError, match=r"projection of shape \(32, 32\) where the layer needs \(16, 32\)"):
+        call(qkv=[proj[0], proj[0], proj[2]])
+    with pytest.raises(ValueError, match="q_pos"):
+        call(q_pos=np.array([s]))
+    with pytest.raises(ValueError, match="k_norm"):
+        call(qk_mode=1, q_norm=rand(rng, h * hd), k_norm=rand(rng, 3))

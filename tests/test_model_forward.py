@@ -360,3 +360,58 @@ def test_fast_ops_make_batching_and_chunking_bit_exact(arch: str, checkpoints: d
     np.testing.assert_array_equal(np.concatenate(chunked), whole)
     batched = m.step([(m.new_cache(), other), (m.new_cache(), ids)], all_logits=True)
     np.testing.assert_array_equal(batched[1], whole)
+
+
+class _Unfused:
+    """FastOps without gqa_block: the model runs a GQA layer's steps one by one."""
+
+    def __init__(self, ops: Any) -> None:
+        self._ops = ops
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "gqa_block":
+            raise AttributeError(name)
+        return getattr(self._ops, name)
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3_moe", "gpt_oss", "mixtral", "qwen3_next"])
+def test_fused_gqa_layer_gives_the_bits_of_its_steps(arch: str, checkpoints: dict[str, Checkpoint]) -> None:
+    """GqaAttention.block in one kernel call (FastOps.gqa_block) against the same layer's steps
+    one by one, on every C path this CPU runs, exact and int8 activations: a prefill chunk and
+    decode steps give the same logits and KV cache bits. q/k norms over the projection (olmoe)
+    and per head (qwen3_moe), biases, sinks and sliding windows past their window (gpt_oss),
+    none (mixtral); gated attention (qwen3_next) keeps its own path."""
+    kernels = pytest.importorskip("moetier.kernels")
+    if not kernels.c_available():
+        pytest.skip("the C kernels are not built (the fused layer is one of their calls)")
+    from moetier.kernels.fast import FastOps, c_paths
+
+    args, dense, experts = checkpoints[arch]
+    ids = tokens(args, 30, 12)
+    for path in [name for name, runs in c_paths().items() if runs]:
+        for activations in ("exact", "int8"):
+            ops = FastOps(path, threads=2, activations=activations)  # type: ignore[arg-type]
+            fused = 0
+            real = ops.gqa_block
+
+            def counted(*a: Any, _real: Any = real) -> Any:
+                nonlocal fused
+                fused += 1
+                return _real(*a)
+
+            ops.gqa_block = counted  # type: ignore[method-assign]
+            runs = []
+            for o in (ops, _Unfused(ops)):
+                m = Model(args, dense, o, DictExperts(experts, ops))  # type: ignore[arg-type]
+                cache = m.new_cache()
+                logits = [m.step([(cache, ids[:11])], all_logits=True)[0]]
+                logits += [m.step([(cache, ids[i : i + 1])])[0].reshape(1, -1) for i in range(11, 30)]
+                runs.append((np.concatenate(logits), cache))
+            (a, ca), (b, cb) = runs
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (path, activations)
+            kva, kvb = ca.to_arrays(), cb.to_arrays()
+            assert kva.keys() == kvb.keys()
+            for name, arr in kva.items():
+                assert np.array_equal(arr.view(np.uint8), kvb[name].view(np.uint8)), (path, activations, name)
+            gated = arch == "qwen3_next"
+            assert (fused == 0) if gated else (fused == 20 * sum(not x for x in args.linear_layers)), fused

@@ -40,7 +40,7 @@ Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "nu
 BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "mxfp4": 4}
 
-C_KERNELS_VERSION = 16  # MT_KERNELS_VERSION in csrc/mt.h
+C_KERNELS_VERSION = 17  # MT_KERNELS_VERSION in csrc/mt.h
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
@@ -557,6 +557,50 @@ class FastOps:
         out = np.empty((t, h, dv), dtype=np.float32)
         if t and h and dv:
             self._k.attention(q, k, v, pos, float(scale), out, sinks, int(window))
+        return out
+
+    def gqa_block(self, x: F32, norm: F32, eps: float, qkv: Sequence[tuple[QTensor, F32 | None]], wo: QTensor,
+                  bo: F32 | None, q_norm: F32 | None, k_norm: F32 | None, qk_mode: int, clip: float | None,
+                  heads: int, kv_heads: int, head_dim: int, cos: F32, sin: F32, interleave: bool, k_cache: F32,
+                  v_cache: F32,
+                  q_pos: npt.NDArray[np.int64], scale: float, sinks: F32 | None, window: int) -> F32 | None:
+        """One GQA attention layer over one sequence's rows, residual stream in and out
+        (moetier.model.attention.GqaAttention.block): x [T, D] -> x + o(attention(...)) [T, D].
+        The rows' k and v (after the q/k norms of qk_mode -- 0 none, 1 over the whole
+        projection, 2 per head --, q, k and v clipped to [-clip, clip] where clip is not None, and
+        the rotation of q and k by cos, sin [T, P]) go to the last T rows of
+        k_cache, v_cache [S, Hkv, hd] (float32, C-contiguous, written in place); attention reads
+        all S at q_pos [T] (positions in the cache). One kernel call running what rmsnorm,
+        linears, rmsnorm, Rope.apply, KVCache.put, attention and linear run one by one, so the
+        same bits. None where this backend has no such call (the caller runs those steps)."""
+        if not isinstance(self._k, _CBackend):
+            return None
+        x, norm, cos, sin = _f32(x, "x"), _f32(norm, "norm"), _f32(cos, "cos"), _f32(sin, "sin")
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not (type(cache) is np.ndarray and cache.dtype == np.float32 and cache.flags.c_contiguous
+                    and cache.flags.writeable):
+                raise ValueError(f"gqa_block: {name} must be a writeable C-contiguous float32 array")
+        pos = np.require(q_pos, np.int64, ["C", "A"])
+        t, d = x.shape
+        s = k_cache.shape[0]
+        if pos.shape != (t,) or k_cache.shape != v_cache.shape or k_cache.shape[1:] != (kv_heads, head_dim):
+            raise ValueError(f"gqa_block: x {x.shape}, q_pos {pos.shape}, k_cache {k_cache.shape} and v_cache "
+                             f"{v_cache.shape} do not fit {kv_heads} key/value heads of {head_dim}")
+        specs = []
+        for w, b, rows, cols in ((*qkv[0], heads * head_dim, d), (*qkv[1], kv_heads * head_dim, d),
+                                 (*qkv[2], kv_heads * head_dim, d), (wo, bo, d, heads * head_dim)):
+            r, c, spec = _spec(w, "w")
+            if (r, c) != (rows, cols):
+                raise ValueError(f"gqa_block: a projection of shape {w.shape} where the layer needs ({rows}, {cols})")
+            specs.append((r, spec, None if b is None else _f32(b, "bias")))
+        out = np.empty_like(x)
+        k = self._k
+        k.mod.gqa_block(x, t, d, norm, float(eps), *specs,
+                        None if q_norm is None else _f32(q_norm, "q_norm"),
+                        None if k_norm is None else _f32(k_norm, "k_norm"), qk_mode, clip is not None,
+                        0.0 if clip is None else float(np.float32(clip)), heads, kv_heads, head_dim,
+                        cos, sin, cos.shape[1], interleave, k_cache, v_cache, s, pos, float(scale),
+                        None if sinks is None else _f32(sinks, "sinks"), int(window), out, k.isa, k.threads, k.int8)
         return out
 
     def expert_ffn(self, x: F32, w: ExpertWeights) -> F32:

@@ -231,7 +231,11 @@ class Model:
                 elif n == 1:
                     self._ahead[j] = guess
 
-        x = x + layer.attention(ops, ops.rmsnorm(x, layer.attn_norm, eps), cos, sin, segments)  # [T, D]
+        block = getattr(layer.attention, "block", None)  # x + attention(rmsnorm(x)), fused where it can be
+        if block is not None:
+            x = block(ops, x, layer.attn_norm, eps, cos, sin, segments)  # [T, D]
+        else:
+            x = x + layer.attention(ops, ops.rmsnorm(x, layer.attn_norm, eps), cos, sin, segments)  # [T, D]
 
         h = ops.rmsnorm(x, layer.ffn_norm, eps)  # [T, D]
         if layer.moe is None:

@@ -53,6 +53,17 @@ class _TimedAttention:
         with self.clock.measure("attention"):
             return self.inner(*args)
 
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name != "block":
+            return attr
+
+        def block(*args: Any) -> Any:  # the fused layer (GqaAttention.block), its norm and residual add included
+            with self.clock.measure("attention"):
+                return attr(*args)
+
+        return block
+
 
 class _TimedRouter:
     def __init__(self, inner: Any, clock: PhaseClock) -> None:

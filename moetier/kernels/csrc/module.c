@@ -468,6 +468,82 @@ static PyObject *py_attention(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* One (R, (dtype, data, scales, g), bias or None) of gqa_block: its matrix [R, C] and bias. */
+static int parse_proj(bufset *bs, PyObject *t, long long R, long long C, qmat *w, const float **bias,
+                      const char *what) {
+    long long r;
+    PyObject *spec, *bo;
+    if (!PyArg_ParseTuple(t, "LOO", &r, &spec, &bo)) return -1;
+    if (r != R) {
+        PyErr_Format(PyExc_ValueError, "gqa_block: %s has %lld rows, the layer needs %lld", what, r, R);
+        return -1;
+    }
+    if (parse_qmat(bs, spec, R, C, w, what) < 0) return -1;
+    *bias = NULL;
+    if (bo != Py_None && !(*bias = get_buf(bs, bo, R * 4, 0, what))) return -1;
+    return 0;
+}
+
+/* gqa_block(x, T, D, norm, eps, q, k, v, o, qn, kn, qk_mode, clip, clip_to, H, Hkv, hd, cos, sin, P, interleave,
+ * kc, vc, S, qpos, scale, sinks, window, out, isa, threads, q8): one GQA attention layer of one sequence's T rows
+ * (mt_gqa_block); q, k, v, o: (rows, weight spec, bias or None). */
+static PyObject *py_gqa_block(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *no, *pq, *pk, *pv, *po, *qno, *kno, *co, *so, *kco, *vco, *qpo, *sko, *oo;
+    long long T, D, H, Hkv, hd, P, S, window;
+    float eps, scale, clip_to;
+    int qk_mode, clip, interleave, isa_i, nthreads, q8;
+    if (!PyArg_ParseTuple(args, "OLLOfOOOOOOipfLLLOOLpOOLOfOLOiip", &xo, &T, &D, &no, &eps, &pq, &pk, &pv, &po, &qno,
+                          &kno, &qk_mode, &clip, &clip_to, &H, &Hkv, &hd, &co, &so, &P, &interleave, &kco, &vco, &S,
+                          &qpo, &scale, &sko, &window, &oo, &isa_i, &nthreads, &q8))
+        return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    if (T < 1 || D < 1 || H < 1 || Hkv < 1 || H % Hkv || hd < 1 || P < 0 || 2 * P > hd || S < T || window < 0 ||
+        qk_mode < 0 || qk_mode > 2) {
+        PyErr_Format(PyExc_ValueError, "gqa_block: inconsistent shape (T %lld, D %lld, H %lld, Hkv %lld, hd %lld, "
+                     "P %lld, S %lld, window %lld, qk_mode %d)", T, D, H, Hkv, hd, P, S, window, qk_mode);
+        return NULL;
+    }
+    const long long nq = H * hd, nk = Hkv * hd;
+    bufset bs = {.n = 0};
+    qmat wq, wk, wv, wo;
+    mt_gqa a = {.T = T, .D = D, .eps = eps, .wq = &wq, .wk = &wk, .wv = &wv, .wo = &wo, .qk_mode = qk_mode,
+                .clip = clip, .clip_to = clip_to, .H = H, .Hkv = Hkv, .hd = hd, .P = P, .interleave = interleave, .S = S, .scale = scale,
+                .window = window, .q8 = q8};
+    float *kc, *vc, *out;
+    const long long qkn = qk_mode == 1 ? nq : hd, kkn = qk_mode == 1 ? nk : hd;
+    if (!(a.x = get_buf(&bs, xo, T * D * 4, 0, "x")) || !(a.norm = get_buf(&bs, no, D * 4, 0, "norm")) ||
+        parse_proj(&bs, pq, nq, D, &wq, &a.bq, "q") < 0 || parse_proj(&bs, pk, nk, D, &wk, &a.bk, "k") < 0 ||
+        parse_proj(&bs, pv, nk, D, &wv, &a.bv, "v") < 0 || parse_proj(&bs, po, D, nq, &wo, &a.bo, "o") < 0 ||
+        (qk_mode && (!(a.qn = get_buf(&bs, qno, qkn * 4, 0, "q_norm")) ||
+                     !(a.kn = get_buf(&bs, kno, kkn * 4, 0, "k_norm")))) ||
+        !(a.cos = get_buf(&bs, co, T * P * 4, 0, "cos")) || !(a.sin = get_buf(&bs, so, T * P * 4, 0, "sin")) ||
+        !(kc = get_buf(&bs, kco, S * nk * 4, 1, "k cache")) || !(vc = get_buf(&bs, vco, S * nk * 4, 1, "v cache")) ||
+        !(a.qpos = get_buf(&bs, qpo, T * 8, 0, "q_pos")) ||
+        (sko != Py_None && !(a.sinks = get_buf(&bs, sko, H * 4, 0, "sinks"))) ||
+        !(out = get_buf(&bs, oo, T * D * 4, 1, "out"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        if (a.qpos[t] < 0 || a.qpos[t] >= S) {
+            bufset_release(&bs);
+            PyErr_Format(PyExc_ValueError, "gqa_block: q_pos[%lld]=%lld outside the %lld cached positions",
+                         (long long)t, (long long)a.qpos[t], S);
+            return NULL;
+        }
+    }
+    a.kc = kc, a.vc = vc, a.out = out;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mt_gqa_block(isa, nthreads, &a);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_glu_clamped(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *go, *uo;
@@ -636,6 +712,10 @@ static PyMethodDef methods[] = {
     {"softmax", py_softmax, METH_VARARGS, "softmax(x, T, N, out, isa)"},
     {"attention", py_attention, METH_VARARGS,
      "attention(q, k, v, q_pos, T, H, S, Hkv, dq, dv, scale, out, isa, threads, sinks=None, window=0)"},
+    {"gqa_block", py_gqa_block, METH_VARARGS,
+     "gqa_block(x, T, D, norm, eps, q, k, v, o, q_norm, k_norm, qk_mode, clip, clip_to, H, Hkv, hd, cos, sin, P, interleave, "
+     "k_cache, v_cache, S, q_pos, scale, sinks, window, out, isa, threads, int8_activations): one GQA attention "
+     "layer of one sequence's T rows, residual in and out; q, k, v, o: (rows, (dtype, data, scales, g), bias)"},
     {"glu_clamped", py_glu_clamped, METH_VARARGS,
      "glu_clamped(gate, up, N, alpha, limit): gpt-oss's clamped SwiGLU into gate, elementwise"},
     {"exp", py_exp, METH_VARARGS, "exp(x, N, out, isa): the contract's exponential, elementwise"},

@@ -74,7 +74,7 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 16
+#define MT_KERNELS_VERSION 17
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
@@ -385,6 +385,37 @@ void mt_softmax_row(const mt_isa *isa, const float *x, int64_t n, float *y);
 int mt_attention(const mt_isa *isa, int nthreads, const float *q, const float *k, const float *v,
                  const int64_t *qpos, int64_t T, int64_t H, int64_t S, int64_t Hkv, int64_t dq, int64_t dv,
                  float scale, const float *sinks, int64_t window, float *out);
+/* One GQA attention layer over one sequence's T rows, from the residual stream to the residual
+ * stream (moetier.model.attention.GqaAttention.block): h = rmsnorm(x, norm); q, k, v = the
+ * linears of h (q8: under the int8-activation contract); q and k normed (qk_mode 1: over the
+ * whole projection, 2: per head; qn/kn their weights); where `clip`, q, k and v clipped to
+ * [-clip_to, clip_to] as np.clip does (NaN stays NaN); q and k rotated (mt_rope, P pairs); k and v
+ * written to cache rows S - T .. S - 1 of kc, vc [>= S, Hkv, hd]; attention over cache rows
+ * 0 .. S - 1 at qpos; out = x + o(attention). Every step is the function the Python path calls
+ * for it, on the same values in the same order, so the bits are that path's. Returns 0, or -1
+ * (no memory). */
+typedef struct {
+    const float *x, *norm;
+    int64_t T, D;
+    float eps;
+    const qmat *wq, *wk, *wv, *wo;
+    const float *bq, *bk, *bv, *bo;
+    const float *qn, *kn;
+    int qk_mode, clip;
+    float clip_to;
+    int64_t H, Hkv, hd, P;
+    const float *cos, *sin;
+    int interleave;
+    float *kc, *vc;
+    int64_t S;
+    const int64_t *qpos;
+    float scale;
+    const float *sinks;
+    int64_t window;
+    float *out;
+    int q8;
+} mt_gqa;
+int mt_gqa_block(const mt_isa *isa, int nthreads, const mt_gqa *a);
 /* gpt-oss's clamped SwiGLU, elementwise: g = min(g, limit), u = clamp(u, -limit, limit),
  * g = (u + 1) * (g * (1 / (1 + exp(-(g * alpha))))) -- with the contract's exp, in place in g */
 void mt_glu_clamped(float *g, const float *u, int64_t n, float alpha, float limit);

@@ -843,3 +843,64 @@ uint64_t mt_read_probe(const mt_isa *isa, int nthreads, const uint8_t *p, int64_
     mt_pool_run(nthreads, nchunks, read_chunk, &k);
     return atomic_load(&k.sum);
 }
+
+/* ---------------------------------------------------------------- a GQA attention layer */
+int mt_gqa_block(const mt_isa *isa, int nthreads, const mt_gqa *a) {
+    const int64_t T = a->T, D = a->D, nq = a->H * a->hd, nk = a->Hkv * a->hd, row = a->S - a->T;
+    float *h = mt_xalloc((size_t)(T * D) * 4), *q = mt_xalloc((size_t)(T * nq) * 4);
+    float *k = mt_xalloc((size_t)(T * nk) * 4), *v = mt_xalloc((size_t)(T * nk) * 4);
+    float *qn = mt_xalloc((size_t)(T * nq) * 4), *kn = mt_xalloc((size_t)(T * nk) * 4);
+    float *qr = mt_xalloc((size_t)(T * nq) * 4), *att = mt_xalloc((size_t)(T * nq) * 4);
+    float *o = mt_xalloc((size_t)(T * D) * 4);
+    int rc = -1;
+    if (!h || !q || !k || !v || !qn || !kn || !qr || !att || !o) goto done;
+    mt_rmsnorm(isa, a->x, T, D, a->norm, a->eps, h);
+    {
+        const qmat w[3] = {*a->wq, *a->wk, *a->wv};
+        const float *const bias[3] = {a->bq, a->bk, a->bv};
+        float *const y[3] = {q, k, v};
+        if (mt_linears(isa, nthreads, h, T, 3, w, bias, y, a->q8) < 0) goto done;
+    }
+    const float *qs = q, *ks = k; /* after the q/k norms */
+    if (a->qk_mode == 1) {        /* over the whole projection: rows of H * hd */
+        mt_rmsnorm(isa, q, T, nq, a->qn, a->eps, qn);
+        mt_rmsnorm(isa, k, T, nk, a->kn, a->eps, kn);
+        qs = qn, ks = kn;
+    } else if (a->qk_mode == 2) { /* per head: rows of hd */
+        mt_rmsnorm(isa, q, T * a->H, a->hd, a->qn, a->eps, qn);
+        mt_rmsnorm(isa, k, T * a->Hkv, a->hd, a->kn, a->eps, kn);
+        qs = qn, ks = kn;
+    }
+    if (a->clip) { /* np.clip(v, -c, c) elementwise: maximum, then minimum; a NaN stays NaN */
+        float *const bufs[3] = {qs == q ? q : qn, ks == k ? k : kn, v};
+        const int64_t lens[3] = {T * nq, T * nk, T * nk};
+        const float c = a->clip_to;
+        for (int b = 0; b < 3; b++)
+            for (int64_t i = 0; i < lens[b]; i++) {
+                const float e = bufs[b][i];
+                bufs[b][i] = e < -c ? -c : e > c ? c : e;
+            }
+    }
+    mt_rope(qs, a->cos, a->sin, T, a->H, a->hd, a->P, a->interleave, qr);
+    mt_rope(ks, a->cos, a->sin, T, a->Hkv, a->hd, a->P, a->interleave, a->kc + row * nk);
+    memcpy(a->vc + row * nk, v, (size_t)(T * nk) * 4);
+    if (mt_attention(isa, nthreads, qr, a->kc, a->vc, a->qpos, T, a->H, a->S, a->Hkv, a->hd, a->hd, a->scale,
+                     a->sinks, a->window, att) < 0)
+        goto done;
+    if ((a->q8 ? mt_linear_q8(isa, nthreads, att, T, a->wo, a->bo, o)
+               : mt_linear(isa, nthreads, att, T, a->wo, a->bo, o)) < 0)
+        goto done;
+    for (int64_t i = 0; i < T * D; i++) a->out[i] = a->x[i] + o[i];
+    rc = 0;
+done:
+    free(h);
+    free(q);
+    free(k);
+    free(v);
+    free(qn);
+    free(kn);
+    free(qr);
+    free(att);
+    free(o);
+    return rc;
+}
