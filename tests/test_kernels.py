@@ -1081,3 +1081,33 @@ def test_gqa_block_refuses_misfits_by_name() -> None:
         call(q_pos=np.array([s]))
     with pytest.raises(ValueError, match="k_norm"):
         call(qk_mode=1, q_norm=rand(rng, h * hd), k_norm=rand(rng, 3))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "int8", "int4"])
+def test_route_softmax_chooses_as_the_router_does(ops: FastOps, dtype: str) -> None:
+    """FastOps.route_softmax (the softmax router in one call) against the router's steps: the
+    linear, the softmax, np.argsort(-scores, kind="stable")'s top k and their scores. Duplicated
+    router rows tie (the lower expert first); a row of NaN inputs ranks by index."""
+    rng = np.random.default_rng(5)
+    e, c, k = 16, 64, 4
+    w = rand(rng, e, c)
+    w[[3, 9, 12]] = w[7]  # four experts with equal logits
+    q = quantize(w, dtype, 32)
+    h = rand(rng, 6, c)
+    h[4] = np.nan
+    bias = rand(rng, e)
+    for b, n in ((None, k), (bias, k), (None, e)):  # n = e: every expert ranked, the ties among them
+        got = ops.route_softmax(h, q, b, n)
+        if got is None:
+            assert ops.backend == "numba"
+            return
+        ids, chosen = got
+        scores = ops.softmax(ops.linear(h, q, b))
+        if b is None:  # the ties (a bias parts them)
+            assert (scores[[0, 1, 2, 3, 5]][:, [3, 9, 12]] == scores[[0, 1, 2, 3, 5]][:, [7]]).all()
+        want = np.argsort(-scores, axis=-1, kind="stable")[:, :n]
+        assert ids.dtype == np.int32 and np.array_equal(ids, want)
+        assert np.array_equal(bits(chosen), bits(np.take_along_axis(scores, want, axis=-1)))
+        assert np.array_equal(ids[4], np.arange(n))
+    with pytest.raises(ValueError, match="route_softmax"):
+        ops.route_softmax(h, q, None, e + 1)

@@ -363,43 +363,61 @@ def test_fast_ops_make_batching_and_chunking_bit_exact(arch: str, checkpoints: d
 
 
 class _Unfused:
-    """FastOps without gqa_block: the model runs a GQA layer's steps one by one."""
+    """FastOps without gqa_layer and route_softmax: the model runs those steps one by one."""
 
     def __init__(self, ops: Any) -> None:
         self._ops = ops
 
     def __getattr__(self, name: str) -> Any:
-        if name == "gqa_block":
+        if name in ("gqa_layer", "route_softmax"):
             raise AttributeError(name)
         return getattr(self._ops, name)
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "qwen3_moe", "gpt_oss", "mixtral", "qwen3_next"])
-def test_fused_gqa_layer_gives_the_bits_of_its_steps(arch: str, checkpoints: dict[str, Checkpoint]) -> None:
-    """GqaAttention.block in one kernel call (FastOps.gqa_block) against the same layer's steps
-    one by one, on every C path this CPU runs, exact and int8 activations: a prefill chunk and
-    decode steps give the same logits and KV cache bits. q/k norms over the projection (olmoe)
-    and per head (qwen3_moe), biases, sinks and sliding windows past their window (gpt_oss),
-    none (mixtral); gated attention (qwen3_next) keeps its own path."""
+def _counted(ops: Any, calls: dict[str, int]) -> tuple[Any, Any]:
+    """ops' gqa_layer and route_softmax, counting the fused layers run and the routes into calls."""
+    real_layer, real_route = ops.gqa_layer, ops.route_softmax
+
+    def layer(*a: Any) -> Any:
+        run = real_layer(*a)
+
+        def counted(*b: Any) -> Any:
+            calls["gqa_block"] += 1
+            return run(*b)
+
+        return counted
+
+    def route(*a: Any) -> Any:
+        calls["route_softmax"] += 1
+        return real_route(*a)
+
+    return layer, route
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3_moe", "gpt_oss", "mixtral", "qwen3_next", "deepseek_v3"])
+def test_fused_layers_give_the_bits_of_their_steps(arch: str, checkpoints: dict[str, Checkpoint]) -> None:
+    """GqaAttention.block in one kernel call (FastOps.gqa_layer) and the softmax router in one
+    (FastOps.route_softmax) against the same steps one by one, on every C path this CPU runs,
+    exact and int8 activations: a prefill chunk and decode steps give the same logits and KV
+    cache bits. q/k norms over the projection and clip_qkv (olmoe), per head and renormalised
+    routing weights (qwen3_moe), biases, sinks and sliding windows past their window (gpt_oss),
+    none (mixtral); gated attention (qwen3_next), MLA and the sigmoid router with groups
+    (deepseek_v3), gpt-oss's top-k softmax keep their own paths."""
     kernels = pytest.importorskip("moetier.kernels")
     if not kernels.c_available():
-        pytest.skip("the C kernels are not built (the fused layer is one of their calls)")
+        pytest.skip("the C kernels are not built (the fused layers are their calls)")
     from moetier.kernels.fast import FastOps, c_paths
 
     args, dense, experts = checkpoints[arch]
     ids = tokens(args, 30, 12)
+    attention_layers = 0 if arch in ("qwen3_next", "deepseek_v3") else sum(not x for x in args.linear_layers)
+    routed_layers = sum(args.moe_layers) if args.scoring_func == "softmax" and not args.score_correction_bias \
+        and args.group_score == "none" else 0
     for path in [name for name, runs in c_paths().items() if runs]:
         for activations in ("exact", "int8"):
             ops = FastOps(path, threads=2, activations=activations)  # type: ignore[arg-type]
-            fused = 0
-            real = ops.gqa_block
-
-            def counted(*a: Any, _real: Any = real) -> Any:
-                nonlocal fused
-                fused += 1
-                return _real(*a)
-
-            ops.gqa_block = counted  # type: ignore[method-assign]
+            calls = {"gqa_block": 0, "route_softmax": 0}
+            ops.gqa_layer, ops.route_softmax = _counted(ops, calls)  # type: ignore[method-assign]
             runs = []
             for o in (ops, _Unfused(ops)):
                 m = Model(args, dense, o, DictExperts(experts, ops))  # type: ignore[arg-type]
@@ -413,5 +431,6 @@ def test_fused_gqa_layer_gives_the_bits_of_its_steps(arch: str, checkpoints: dic
             assert kva.keys() == kvb.keys()
             for name, arr in kva.items():
                 assert np.array_equal(arr.view(np.uint8), kvb[name].view(np.uint8)), (path, activations, name)
-            gated = arch == "qwen3_next"
-            assert (fused == 0) if gated else (fused == 20 * sum(not x for x in args.linear_layers)), fused
+            assert calls["gqa_block"] == 20 * attention_layers, calls
+            # every step's routing, and the prefetch predictions' (DictExperts wants hints)
+            assert calls["route_softmax"] >= 20 * routed_layers and bool(calls["route_softmax"]) == bool(routed_layers)

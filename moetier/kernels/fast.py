@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any, Literal
 
@@ -36,6 +36,7 @@ from moetier.weights.quant import MXFP4_GROUP, QDTYPES, ExpertWeights, QTensor
 log = logging.getLogger(__name__)
 
 F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
 Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba"]
 BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "mxfp4": 4}
@@ -559,33 +560,55 @@ class FastOps:
             self._k.attention(q, k, v, pos, float(scale), out, sinks, int(window))
         return out
 
+    def route_softmax(self, h: F32, w: QTensor, bias: F32 | None, k: int) -> tuple[I32, F32] | None:
+        """The softmax router's choice (moetier.model.router.select_experts without a correction
+        bias or expert groups): scores = softmax(h @ w.T + bias) [T, E]; ids [T, k] int32, the k
+        best of each row, best first, the lower expert on ties (a NaN after every number); and
+        their scores [T, k]. One kernel call running the linear and softmax the Python path
+        runs, so the same bits. None where this backend has no such call."""
+        if not isinstance(self._k, _CBackend):
+            return None
+        h = _f32(h, "h")
+        rows, cols, spec = _spec(w, "w")
+        if h.ndim != 2 or h.shape[1] != cols or not 1 <= k <= rows:
+            raise ValueError(f"route_softmax: h {h.shape}, router {w.shape} and {k} experts a row do not fit")
+        t = h.shape[0]
+        ids, chosen = np.empty((t, k), np.int32), np.empty((t, k), np.float32)
+        if t:
+            b = self._k
+            b.mod.route_softmax(h, t, cols, rows, spec, None if bias is None else _f32(bias, "bias"), k, ids, chosen,
+                                b.isa, b.threads, b.int8)
+        return ids, chosen
+
     def gqa_block(self, x: F32, norm: F32, eps: float, qkv: Sequence[tuple[QTensor, F32 | None]], wo: QTensor,
                   bo: F32 | None, q_norm: F32 | None, k_norm: F32 | None, qk_mode: int, clip: float | None,
                   heads: int, kv_heads: int, head_dim: int, cos: F32, sin: F32, interleave: bool, k_cache: F32,
-                  v_cache: F32,
-                  q_pos: npt.NDArray[np.int64], scale: float, sinks: F32 | None, window: int) -> F32 | None:
+                  v_cache: F32, q_pos: npt.NDArray[np.int64], scale: float, sinks: F32 | None,
+                  window: int) -> F32 | None:
         """One GQA attention layer over one sequence's rows, residual stream in and out
         (moetier.model.attention.GqaAttention.block): x [T, D] -> x + o(attention(...)) [T, D].
         The rows' k and v (after the q/k norms of qk_mode -- 0 none, 1 over the whole
         projection, 2 per head --, q, k and v clipped to [-clip, clip] where clip is not None, and
-        the rotation of q and k by cos, sin [T, P]) go to the last T rows of
-        k_cache, v_cache [S, Hkv, hd] (float32, C-contiguous, written in place); attention reads
-        all S at q_pos [T] (positions in the cache). One kernel call running what rmsnorm,
-        linears, rmsnorm, Rope.apply, KVCache.put, attention and linear run one by one, so the
-        same bits. None where this backend has no such call (the caller runs those steps)."""
+        the rotation of q and k by cos, sin [T, P]) go to the last T rows of k_cache, v_cache
+        [S, Hkv, hd] (float32, C-contiguous, written in place); attention reads all S at q_pos
+        [T] (positions in the cache). One kernel call running what rmsnorm, linears, rmsnorm,
+        Rope.apply, KVCache.put, attention and linear run one by one, so the same bits. None
+        where this backend has no such call (the caller runs those steps). `gqa_layer` checks
+        the layer's own arguments once, for a layer called every step."""
+        run = self.gqa_layer(norm, eps, qkv, wo, bo, q_norm, k_norm, qk_mode, clip, heads, kv_heads, head_dim,
+                             interleave, scale, sinks, window)
+        return None if run is None else run(x, cos, sin, k_cache, v_cache, q_pos)
+
+    def gqa_layer(self, norm: F32, eps: float, qkv: Sequence[tuple[QTensor, F32 | None]], wo: QTensor,
+                  bo: F32 | None, q_norm: F32 | None, k_norm: F32 | None, qk_mode: int, clip: float | None,
+                  heads: int, kv_heads: int, head_dim: int, interleave: bool, scale: float, sinks: F32 | None,
+                  window: int) -> Callable[[F32, F32, F32, F32, F32, npt.NDArray[np.int64]], F32] | None:
+        """`gqa_block` with the layer's own arguments checked once: run(x, cos, sin, k_cache,
+        v_cache, q_pos) -> [T, D], checking only those. None where this backend has no such call."""
         if not isinstance(self._k, _CBackend):
             return None
-        x, norm, cos, sin = _f32(x, "x"), _f32(norm, "norm"), _f32(cos, "cos"), _f32(sin, "sin")
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not (type(cache) is np.ndarray and cache.dtype == np.float32 and cache.flags.c_contiguous
-                    and cache.flags.writeable):
-                raise ValueError(f"gqa_block: {name} must be a writeable C-contiguous float32 array")
-        pos = np.require(q_pos, np.int64, ["C", "A"])
-        t, d = x.shape
-        s = k_cache.shape[0]
-        if pos.shape != (t,) or k_cache.shape != v_cache.shape or k_cache.shape[1:] != (kv_heads, head_dim):
-            raise ValueError(f"gqa_block: x {x.shape}, q_pos {pos.shape}, k_cache {k_cache.shape} and v_cache "
-                             f"{v_cache.shape} do not fit {kv_heads} key/value heads of {head_dim}")
+        norm = _f32(norm, "norm")
+        d = norm.shape[0]
         specs = []
         for w, b, rows, cols in ((*qkv[0], heads * head_dim, d), (*qkv[1], kv_heads * head_dim, d),
                                  (*qkv[2], kv_heads * head_dim, d), (wo, bo, d, heads * head_dim)):
@@ -593,15 +616,34 @@ class FastOps:
             if (r, c) != (rows, cols):
                 raise ValueError(f"gqa_block: a projection of shape {w.shape} where the layer needs ({rows}, {cols})")
             specs.append((r, spec, None if b is None else _f32(b, "bias")))
-        out = np.empty_like(x)
         k = self._k
-        k.mod.gqa_block(x, t, d, norm, float(eps), *specs,
-                        None if q_norm is None else _f32(q_norm, "q_norm"),
-                        None if k_norm is None else _f32(k_norm, "k_norm"), qk_mode, clip is not None,
-                        0.0 if clip is None else float(np.float32(clip)), heads, kv_heads, head_dim,
-                        cos, sin, cos.shape[1], interleave, k_cache, v_cache, s, pos, float(scale),
-                        None if sinks is None else _f32(sinks, "sinks"), int(window), out, k.isa, k.threads, k.int8)
-        return out
+        mid = (None if q_norm is None else _f32(q_norm, "q_norm"), None if k_norm is None else _f32(k_norm, "k_norm"),
+               qk_mode, clip is not None, 0.0 if clip is None else float(np.float32(clip)), heads, kv_heads, head_dim)
+        tail = (float(scale), None if sinks is None else _f32(sinks, "sinks"), int(window))
+        gqa, eps = k.mod.gqa_block, float(eps)
+        cache_shape = (kv_heads, head_dim)
+
+        def run(x: F32, cos: F32, sin: F32, k_cache: F32, v_cache: F32, q_pos: npt.NDArray[np.int64]) -> F32:
+            x, cos, sin = _f32(x, "x"), _f32(cos, "cos"), _f32(sin, "sin")
+            for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+                if not (type(cache) is np.ndarray and cache.dtype == np.float32 and cache.flags.c_contiguous
+                        and cache.flags.writeable):
+                    raise ValueError(f"gqa_block: {name} must be a writeable C-contiguous float32 array")
+            pos = q_pos if type(q_pos) is np.ndarray and q_pos.dtype == np.int64 and q_pos.flags.c_contiguous \
+                else np.require(q_pos, np.int64, ["C", "A"])
+            t = x.shape[0]
+            if (x.ndim != 2 or x.shape[1] != d or pos.shape != (t,) or k_cache.shape != v_cache.shape
+                    or k_cache.shape[1:] != cache_shape or cos.ndim != 2 or cos.shape != sin.shape
+                    or cos.shape[0] != t):
+                raise ValueError(f"gqa_block: x {x.shape}, q_pos {pos.shape}, cos {cos.shape}, sin {sin.shape}, "
+                                 f"k_cache {k_cache.shape} and v_cache {v_cache.shape} do not fit a layer of width "
+                                 f"{d} with {kv_heads} key/value heads of {head_dim}")
+            out = np.empty_like(x)
+            gqa(x, t, d, norm, eps, *specs, *mid, cos, sin, cos.shape[1], interleave, k_cache, v_cache,
+                k_cache.shape[0], pos, *tail, out, k.isa, k.threads, k.int8)
+            return out
+
+        return run
 
     def expert_ffn(self, x: F32, w: ExpertWeights) -> F32:
         """One SwiGLU expert: down(silu(gate x) * up x); x [T, D] -> [T, D]."""

@@ -117,28 +117,35 @@ class GqaAttention:
 
     def block(self, ops: Ops, x: F32, norm: F32, eps: float, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32:
         """The residual stream after this layer: x + self(ops, rmsnorm(x, norm, eps), cos, sin,
-        segments), x [T, D]. Where the ops have it (FastOps.gqa_block) and the step holds one
+        segments), x [T, D]. Where the ops have it (FastOps.gqa_layer) and the step holds one
         sequence, in one kernel call that runs the same steps on the same values (the same
         bits): a decode step's attention without a dozen calls from Python."""
-        fused = getattr(ops, "gqa_block", None)
-        a = self.args
         t = x.shape[0]
         # (not a subclass: gated attention and DeltaNet compute otherwise, in their own __call__)
-        if (fused is not None and type(self) is GqaAttention and len(segments) == 1
-                and segments[0].rows == slice(0, t) and cos.shape == sin.shape == (t, self.rope.dim // 2)
-                and self.rope.dim <= a.head_dim):
-            seg = segments[0]
-            first = seg.cache.start(self.layer)
-            mode = 0 if self.q_norm is None else 1 if a.qk_norm == "full" else 2
-            y = fused(x, norm, eps, [(self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)], self.wo, self.bo,
-                      self.q_norm, self.k_norm, mode, a.clip_qkv, a.num_heads, a.num_kv_heads, a.head_dim, cos, sin,
-                      self.rope.interleave, seg.cache.get(self.layer, "k", seg.end),
-                      seg.cache.get(self.layer, "v", seg.end), seg.positions - first, self.scale, self.sinks,
-                      self.window)
-            if y is not None:
-                return y
+        if (type(self) is GqaAttention and len(segments) == 1 and segments[0].rows == slice(0, t)
+                and cos.shape == sin.shape == (t, self.rope.dim // 2) and self.rope.dim <= self.args.head_dim):
+            run = self._fused_layer(ops, norm, eps)
+            if run is not None:
+                seg = segments[0]
+                first, end = seg.cache.start(self.layer), int(seg.positions[-1]) + 1
+                return run(x, cos, sin, seg.cache.get(self.layer, "k", end), seg.cache.get(self.layer, "v", end),
+                           seg.positions - first if first else seg.positions)
         return x + self(ops, ops.rmsnorm(x, norm, eps), cos, sin, segments)
 
+    def _fused_layer(self, ops: Ops, norm: F32, eps: float) -> Any:
+        """ops' one-call layer (FastOps.gqa_layer) with this layer's arguments, made once per ops
+        and norm; None where the ops have none."""
+        got = self.__dict__.get("_fused")
+        if got is not None and got[0] is ops and got[1] is norm and got[2] == eps:
+            return got[3]
+        make = getattr(ops, "gqa_layer", None)
+        a = self.args
+        run = None if make is None else make(
+            norm, eps, [(self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)], self.wo, self.bo, self.q_norm,
+            self.k_norm, 0 if self.q_norm is None else 1 if a.qk_norm == "full" else 2, a.clip_qkv, a.num_heads,
+            a.num_kv_heads, a.head_dim, self.rope.interleave, self.scale, self.sinks, self.window)
+        self.__dict__["_fused"] = (ops, norm, eps, run)
+        return run
 
 class MlaAttention:
     def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float,

@@ -55,11 +55,18 @@ def select_experts(scores: F32, bias: F32 | None, args: ModelArgs) -> tuple[I32,
     if args.group_score != "none":
         choice = group_limit(choice, args)
     ids = top_k_desc(choice, args.num_experts_per_tok)  # [T, K]
-    weights = scores[np.arange(len(ids))[:, None], ids]  # [T, K] (take_along_axis's values, at less cost per call)
+    chosen = scores[np.arange(len(ids))[:, None], ids]  # [T, K] (take_along_axis's values, at less cost per call)
+    return ids.astype(np.int32), routing_weights(chosen, args)
+
+
+def routing_weights(chosen: F32, args: ModelArgs) -> F32:
+    """The chosen experts' scores [T, K] -> their weights: optionally renormalised, times
+    routed_scaling_factor."""
+    weights = chosen
     if args.norm_topk_prob:
         weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
     weights = weights * np.float32(args.routed_scaling_factor)
-    return ids.astype(np.int32), np.ascontiguousarray(weights, dtype=np.float32)
+    return np.ascontiguousarray(weights, dtype=np.float32)
 
 
 class Router:
@@ -85,4 +92,11 @@ class Router:
             ids = top_k_desc(logits, self.args.num_experts_per_tok)  # [T, K]
             top = np.ascontiguousarray(np.take_along_axis(logits, ids, axis=-1))  # [T, K]
             return ids.astype(np.int32), np.ascontiguousarray(ops.softmax(top), dtype=np.float32)
+        fused = getattr(ops, "route_softmax", None)  # the softmax router in one kernel call, the same bits
+        a = self.args
+        if fused is not None and a.scoring_func == "softmax" and self.bias is None and a.group_score == "none":
+            got = fused(x, self.weight, self.logit_bias, a.num_experts_per_tok)
+            if got is not None:
+                ids, chosen = got
+                return ids, routing_weights(chosen, a)
         return select_experts(self.scores(ops, x), self.bias, self.args)

@@ -544,6 +544,41 @@ static PyObject *py_gqa_block(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* route_softmax(h, T, C, E, (dtype, data, scales, g), bias, K, ids, chosen, isa, threads, q8): the softmax
+ * router's K best experts of each row and their scores (mt_route_softmax). */
+static PyObject *py_route_softmax(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ho, *wspec, *bo, *io, *co;
+    long long T, C, E, K;
+    int isa_i, nthreads, q8;
+    if (!PyArg_ParseTuple(args, "OLLLOOLOOiip", &ho, &T, &C, &E, &wspec, &bo, &K, &io, &co, &isa_i, &nthreads, &q8))
+        return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    if (T < 1 || K < 1 || K > E) {
+        PyErr_Format(PyExc_ValueError, "route_softmax: %lld of %lld experts for %lld rows", K, E, T);
+        return NULL;
+    }
+    bufset bs = {.n = 0};
+    qmat w;
+    const float *h, *bias = NULL;
+    int32_t *ids;
+    float *chosen;
+    if (parse_qmat(&bs, wspec, E, C, &w, "router") < 0 || !(h = get_buf(&bs, ho, T * C * 4, 0, "h")) ||
+        (bo != Py_None && !(bias = get_buf(&bs, bo, E * 4, 0, "bias"))) ||
+        !(ids = get_buf(&bs, io, T * K * 4, 1, "ids")) || !(chosen = get_buf(&bs, co, T * K * 4, 1, "chosen"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mt_route_softmax(isa, nthreads, h, T, &w, bias, K, q8, ids, chosen);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_glu_clamped(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *go, *uo;
@@ -716,6 +751,9 @@ static PyMethodDef methods[] = {
      "gqa_block(x, T, D, norm, eps, q, k, v, o, q_norm, k_norm, qk_mode, clip, clip_to, H, Hkv, hd, cos, sin, P, interleave, "
      "k_cache, v_cache, S, q_pos, scale, sinks, window, out, isa, threads, int8_activations): one GQA attention "
      "layer of one sequence's T rows, residual in and out; q, k, v, o: (rows, (dtype, data, scales, g), bias)"},
+    {"route_softmax", py_route_softmax, METH_VARARGS,
+     "route_softmax(h, T, C, E, (dtype, data, scales, g), bias, K, ids, chosen, isa, threads, int8_activations): "
+     "the softmax router's K best experts of each row (best first, the lower on ties) and their scores"},
     {"glu_clamped", py_glu_clamped, METH_VARARGS,
      "glu_clamped(gate, up, N, alpha, limit): gpt-oss's clamped SwiGLU into gate, elementwise"},
     {"exp", py_exp, METH_VARARGS, "exp(x, N, out, isa): the contract's exponential, elementwise"},

@@ -416,6 +416,13 @@ typedef struct {
     int q8;
 } mt_gqa;
 int mt_gqa_block(const mt_isa *isa, int nthreads, const mt_gqa *a);
+/* The softmax router's choice (moetier.model.router: scores = softmax(h @ w.T + bias), ids the K
+ * best of each row, best first, the lower expert on ties -- np.argsort(-scores, kind="stable")'s
+ * order, a NaN after every number -- and their scores): h [T, C], w [E, C], bias NULL or [E];
+ * ids [T, K] int32, chosen [T, K]. The linear (q8: under the int8-activation contract) and the
+ * softmax are the functions the Python path calls, so the same bits. Returns 0, or -1 (no memory). */
+int mt_route_softmax(const mt_isa *isa, int nthreads, const float *h, int64_t T, const qmat *w, const float *bias,
+                     int64_t K, int q8, int32_t *ids, float *chosen);
 /* gpt-oss's clamped SwiGLU, elementwise: g = min(g, limit), u = clamp(u, -limit, limit),
  * g = (u + 1) * (g * (1 / (1 + exp(-(g * alpha))))) -- with the contract's exp, in place in g */
 void mt_glu_clamped(float *g, const float *u, int64_t n, float alpha, float limit);

@@ -904,3 +904,41 @@ done:
     free(o);
     return rc;
 }
+
+/* ---------------------------------------------------------------- the softmax router's choice */
+/* a ranks before b (values va, vb at indices ia < ib or not): np.argsort(-v, kind="stable") */
+static inline int ranks_before(float va, int64_t ia, float vb, int64_t ib) {
+    const int na = va != va, nb = vb != vb;
+    if (na || nb) return !na || (nb && ia < ib); /* NaNs last, among them by index */
+    return va > vb || (va == vb && ia < ib);
+}
+
+int mt_route_softmax(const mt_isa *isa, int nthreads, const float *h, int64_t T, const qmat *w, const float *bias,
+                     int64_t K, int q8, int32_t *ids, float *chosen) {
+    const int64_t E = w->rows;
+    float *logits = mt_xalloc((size_t)(T * E) * 4), *scores = mt_xalloc((size_t)(T * E) * 4);
+    unsigned char *taken = malloc((size_t)E);
+    int rc = -1;
+    if (!logits || !scores || !taken) goto done;
+    if ((q8 ? mt_linear_q8(isa, nthreads, h, T, w, bias, logits) : mt_linear(isa, nthreads, h, T, w, bias, logits)) < 0)
+        goto done;
+    for (int64_t t = 0; t < T; t++) {
+        const float *s = scores + t * E;
+        mt_softmax_row(isa, logits + t * E, E, scores + t * E);
+        memset(taken, 0, (size_t)E);
+        for (int64_t j = 0; j < K; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || ranks_before(s[e], e, s[best], best))) best = e;
+            taken[best] = 1;
+            ids[t * K + j] = (int32_t)best;
+            chosen[t * K + j] = s[best];
+        }
+    }
+    rc = 0;
+done:
+    free(logits);
+    free(scores);
+    free(taken);
+    return rc;
+}
