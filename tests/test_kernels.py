@@ -1111,3 +1111,32 @@ def test_route_softmax_chooses_as_the_router_does(ops: FastOps, dtype: str) -> N
         assert np.array_equal(ids[4], np.arange(n))
     with pytest.raises(ValueError, match="route_softmax"):
         ops.route_softmax(h, q, None, e + 1)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+def test_moe_plain_is_expert_outputs_then_combine(ops: FastOps, dtype: str) -> None:
+    """FastOps.moe_plain (the routed experts and the k-ordered combine in one call) gives the bits
+    of expert_outputs into zeros then combine_slots, one token or many; None where an expert is
+    missing or not a plain SwiGLU one (biases), so the caller takes those two steps."""
+    rng = np.random.default_rng(8)
+    d, i = 64, 32
+    ex = experts_of(rng, 6, d, i, dtype, 32)
+    for t, k in ((1, 4), (7, 2)):
+        x = rand(rng, t, d)
+        ids = rng.integers(0, 6, (t, k)).astype(np.int32)
+        wts = rng.random((t, k), dtype=np.float32)
+        got = ops.moe_plain(x, ids, wts, ex)
+        if ops.backend == "numba":
+            assert got is None
+            return
+        slots = np.zeros((t, k, d), np.float32)
+        ops.expert_outputs(x, ids, ex, slots)
+        assert got is not None and np.array_equal(bits(got), bits(combine_slots(slots, wts)))
+        assert np.array_equal(bits(got), bits(ops.moe(x, ids, wts, ex)))
+    missing = {e: w for e, w in ex.items() if e != int(ids[0, 0])}
+    assert ops.moe_plain(x, ids, wts, missing) is None
+    w0 = ex[int(ids[0, 0])]
+    biased = {**ex, int(ids[0, 0]): ExpertWeights(w0.gate, w0.up, w0.down, gate_bias=rand(rng, i))}
+    assert ops.moe_plain(x, ids, wts, biased) is None
+    with pytest.raises(ValueError, match=r"weights \(7, 3\)"):
+        ops.moe_plain(x, ids, rand(rng, 7, 3), ex)

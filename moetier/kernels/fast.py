@@ -677,6 +677,34 @@ class FastOps:
         self._expert_outputs(x, ids_a, experts, ys)
         return combine_slots(ys, weights)
 
+    def moe_plain(self, x: F32, ids: npt.NDArray[np.int32], weights: F32,
+                  experts: Mapping[int, ExpertWeights]) -> F32 | None:
+        """`moe` in one kernel call -- every routed expert's slots, then the k-ordered combine --
+        where every id of `ids` is in `experts` and each is a plain SwiGLU expert (no biases) on
+        the C kernels: the same bits as `expert_outputs` into zeros and `combine_slots`. None
+        otherwise (the caller takes those two)."""
+        if not isinstance(self._k, _CBackend):
+            return None
+        x, ids_a = self._moe_rows(x, ids, "moe_plain")
+        weights = _f32(weights, "weights")
+        if weights.shape != ids_a.shape:
+            raise ValueError(f"moe_plain: want x [T, D], ids [T, K], weights [T, K]; got x {x.shape}, "
+                             f"ids {ids_a.shape}, weights {weights.shape}")
+        t, d = x.shape
+        specs = []
+        for e in unique_ids(ids_a):
+            w = experts.get(e)
+            if w is None or not _plain(w):
+                return None
+            specs.append(_expert_spec(w, e, d))
+        out = np.empty((t, d), dtype=np.float32)
+        if t:
+            k = self._k
+            slots = np.zeros((*ids_a.shape, d), dtype=np.float32)  # [T, K, D]
+            k.mod.experts(x, t, d, np.ascontiguousarray(ids_a, dtype=np.int64), ids_a.shape[1], slots, specs, k.isa,
+                          k.threads, k.int8, weights, out)
+        return out
+
     def expert_outputs(self, x: F32, ids: npt.NDArray[np.int32], experts: Mapping[int, ExpertWeights],
                        out: F32) -> None:
         """out[t, k] = FFN_{ids[t, k]}(x[t]) for every (row, slot) routed to an expert in

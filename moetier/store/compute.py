@@ -113,7 +113,11 @@ class TierCompute:
         """Compute every wave of `job` (each expert as soon as it is usable), then combine.
         Releases every lease it pins, also when it fails."""
         x, ids = job.x, job.ids
-        slots = np.zeros((*ids.shape, x.shape[1]), dtype=np.float32)  # [T, K, D]
+        slots: F32 | None = None  # [T, K, D], made when a wave computes slot by slot
+        y: F32 | None = None  # [T, D]: one wave, every expert resident, experts and combine in one call
+        # (Ops.moe_plain, where the ops have it: the same bits as the slots and combine_slots)
+        one_call = None if job.slot_outputs or len(job.waves) != 1 or job.weights.dtype != np.float32 \
+            else getattr(self.ops, "moe_plain", None)
         load_ns, compute_ns, hits, misses = job.pin_ns, 0, 0, 0
         try:
             for n, wave in enumerate(job.waves):
@@ -130,7 +134,12 @@ class TierCompute:
                     misses += lease.misses
                     for experts in lease.arrivals():
                         t0 = time.perf_counter_ns()
-                        self.ops.expert_outputs(x, ids, experts, slots)
+                        if one_call is not None and lease.misses == 0:  # the only arrival holds every expert
+                            y = one_call(x, ids, job.weights, experts)
+                        if y is None:
+                            if slots is None:
+                                slots = np.zeros((*ids.shape, x.shape[1]), dtype=np.float32)
+                            self.ops.expert_outputs(x, ids, experts, slots)
                         compute_ns += time.perf_counter_ns() - t0
                     load_ns += int(lease.wait_s * 1e9)
                 finally:
@@ -138,8 +147,11 @@ class TierCompute:
         finally:
             job.abandon()  # a job that failed before its first wave still holds that lease
         t0 = time.perf_counter_ns()
-        # [N, D] the computed slots, uncombined (the caller sums every store's in k order), or [T, D]
-        y = slots[ids >= 0] if job.slot_outputs else combine_slots(slots, job.weights)
+        if y is None:
+            if slots is None:  # no expert arrived (no rows)
+                slots = np.zeros((*ids.shape, x.shape[1]), dtype=np.float32)
+            # [N, D] the computed slots, uncombined (the caller sums every store's in k order), or [T, D]
+            y = slots[ids >= 0] if job.slot_outputs else combine_slots(slots, job.weights)
         compute_ns += time.perf_counter_ns() - t0
         with self._lock:
             s = self.stats

@@ -74,6 +74,10 @@ I32 = npt.NDArray[np.int32]
 
 HINT_QUEUE = 64  # hints waiting for the sender at most; later ones are dropped (a waiting hint goes stale)
 USAGE_EVERY_S = 0.25  # how often calls computed from the store's shared experts are reported to it
+# How often a call computed from the shared experts checks that the store still has the lane open
+# (a poll of its socket): a decode step makes one call a layer, and what the store shared stays
+# mapped here after it ends, so the calls between two checks still compute right.
+ALIVE_EVERY_S = 0.005
 USAGE_ROWS = 3000  # (layer, expert) rows per LocalUsage frame (16 bytes each: well inside a lane frame)
 MAX_MESSAGE_BYTES = 1 << 30  # a prefill chunk of a wide model is tens of MB of activations
 CHANNEL_OPTIONS = [
@@ -222,6 +226,7 @@ class RemoteExperts:
         self.clock = clock
         self.hidden_size = hidden_size
         self.step = 0
+        self._alive_at = -ALIVE_EVERY_S  # when a call last found the lane alive (time.monotonic)
         self.settled = False  # the store's last answer said hints cannot help it now
         self.stats = RemoteStats()
         self.call_seconds: deque[float] = deque()  # drained by the metrics after each step
@@ -330,9 +335,12 @@ class RemoteExperts:
         lane = self._connected_lane() if shared is not None else None
         if lane is None or lane.shared is None or shared is None:
             return None
-        if not lane.alive():  # the store ended: its calls fail (or reconnect) the usual way
-            self._lane_failed(lane)
-            return None
+        now = time.monotonic()
+        if now - self._alive_at >= ALIVE_EVERY_S:  # the mapping stays valid after the store ends
+            if not lane.alive():  # the store ended: its calls fail (or reconnect) the usual way
+                self._lane_failed(lane)
+                return None
+            self._alive_at = now
         t0 = time.perf_counter()
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         routed = ids[ids >= 0] if slot_outputs else ids
@@ -352,9 +360,13 @@ class RemoteExperts:
                 w = self._weights[(layer, e)] = shared.parse(lane.shared.record(layer, e))
             experts[e] = w
         x = np.ascontiguousarray(x, dtype=np.float32)
-        slots = np.zeros((*ids.shape, x.shape[1]), dtype=np.float32)  # [T, K, D]
-        shared.ops.expert_outputs(x, ids, experts, slots)
-        y = slots[ids >= 0] if slot_outputs else combine_slots(slots, np.ascontiguousarray(weights, dtype=np.float32))
+        weights = np.ascontiguousarray(weights, dtype=np.float32)
+        one_call = None if slot_outputs else getattr(shared.ops, "moe_plain", None)  # experts and combine at once
+        y = None if one_call is None else one_call(x, ids, weights, experts)
+        if y is None:
+            slots = np.zeros((*ids.shape, x.shape[1]), dtype=np.float32)  # [T, K, D]
+            shared.ops.expert_outputs(x, ids, experts, slots)
+            y = slots[ids >= 0] if slot_outputs else combine_slots(slots, weights)
         if self.clock is not None:
             self.clock.add("expert", time.perf_counter() - t0)
         self.settled = True  # every expert resident, never evicted: hints cannot help

@@ -295,11 +295,11 @@ fail:
  * mt_ffn_many (int8 activations too), the rows scattered back. */
 static PyObject *py_experts(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *xo, *io, *yo, *specs;
+    PyObject *xo, *io, *yo, *specs, *wo = Py_None, *co = Py_None;
     long long T, D, K;
     int isa_i, nthreads, q8 = 0;
-    if (!PyArg_ParseTuple(args, "OLLOLOO!ii|p", &xo, &T, &D, &io, &K, &yo, &PyList_Type, &specs, &isa_i,
-                          &nthreads, &q8))
+    if (!PyArg_ParseTuple(args, "OLLOLOO!ii|pOO", &xo, &T, &D, &io, &K, &yo, &PyList_Type, &specs, &isa_i,
+                          &nthreads, &q8, &wo, &co))
         return NULL;
     const mt_isa *isa = get_isa(isa_i);
     if (!isa) return NULL;
@@ -310,9 +310,9 @@ static PyObject *py_experts(PyObject *self, PyObject *args) {
     long long *eid = PyMem_Calloc((size_t)(n + 1), sizeof(long long));
     int64_t *pos = PyMem_Malloc((size_t)(T * K + 1) * sizeof(int64_t));
     float *xs = NULL, *ys = NULL;
-    const float *x;
+    const float *x, *cw = NULL;
     const int64_t *ids;
-    float *y;
+    float *y, *combined = NULL;
     PyObject *ret = NULL;
     int rc = 0;
     if (!w || !ex || !eid || !pos) {
@@ -321,6 +321,13 @@ static PyObject *py_experts(PyObject *self, PyObject *args) {
     }
     if (!(x = get_buf(&bs, xo, T * D * 4, 0, "x")) || !(ids = get_buf(&bs, io, T * K * 8, 0, "ids")) ||
         !(y = get_buf(&bs, yo, T * K * D * 4, 1, "out")))
+        goto fail;
+    if ((wo == Py_None) != (co == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "experts: the combine needs both its weights and its output");
+        goto fail;
+    }
+    if (wo != Py_None && (!(cw = get_buf(&bs, wo, T * K * 4, 0, "weights")) ||
+                          !(combined = get_buf(&bs, co, T * D * 4, 1, "combined"))))
         goto fail;
     for (Py_ssize_t e = 0; e < n; e++) {
         long long I;
@@ -358,6 +365,7 @@ static PyObject *py_experts(PyObject *self, PyObject *args) {
     rc = mt_ffn_many(isa, nthreads, n, ex, q8);
     if (rc == 0)
         for (int64_t i = 0; i < nrows; i++) memcpy(y + pos[i] * D, ys + i * D, (size_t)D * 4);
+    if (rc == 0 && combined) mt_combine(y, cw, T, K, D, combined); /* combine_slots, in k order */
     Py_END_ALLOW_THREADS
     if (rc < 0) PyErr_NoMemory();
     else {
@@ -741,8 +749,9 @@ static PyMethodDef methods[] = {
      "several linears of one x in one job"},
     {"ffn", py_ffn, METH_VARARGS, "ffn(x, T, D, I, gate, up, down, out, isa, threads, int8_activations=False)"},
     {"experts", py_experts, METH_VARARGS,
-     "experts(x, T, D, ids, K, out, [(e, I, gate, up, down)], isa, threads, int8_activations=False): "
-     "out[t, k] = FFN_e(x[t]) where ids[t, k] = e, for the listed experts"},
+     "experts(x, T, D, ids, K, out, [(e, I, gate, up, down)], isa, threads, int8_activations=False, weights=None, "
+     "combined=None): out[t, k] = FFN_e(x[t]) where ids[t, k] = e, for the listed experts; with weights [T, K], "
+     "also combined[t] = sum_k weights[t, k] * out[t, k] in k order (combine)"},
     {"rmsnorm", py_rmsnorm, METH_VARARGS, "rmsnorm(x, T, C, weight, eps, out, isa)"},
     {"softmax", py_softmax, METH_VARARGS, "softmax(x, T, N, out, isa)"},
     {"attention", py_attention, METH_VARARGS,
