@@ -74,10 +74,6 @@ I32 = npt.NDArray[np.int32]
 
 HINT_QUEUE = 64  # hints waiting for the sender at most; later ones are dropped (a waiting hint goes stale)
 USAGE_EVERY_S = 0.25  # how often calls computed from the store's shared experts are reported to it
-# How often a call computed from the shared experts checks that the store still has the lane open
-# (a poll of its socket): a decode step makes one call a layer, and what the store shared stays
-# mapped here after it ends, so the calls between two checks still compute right.
-ALIVE_EVERY_S = 0.005
 USAGE_ROWS = 3000  # (layer, expert) rows per LocalUsage frame (16 bytes each: well inside a lane frame)
 MAX_MESSAGE_BYTES = 1 << 30  # a prefill chunk of a wide model is tens of MB of activations
 CHANNEL_OPTIONS = [
@@ -173,27 +169,45 @@ class _LaneCall:
 
 
 class _Usage:
-    """Calls computed from the shared experts since the last LocalUsage."""
+    """Calls computed from the shared experts since the last LocalUsage: each call noted as it
+    is made (a decode step makes one a layer), counted up when the report is made (or when
+    FOLD_CALLS are waiting)."""
+
+    FOLD_CALLS = 4096
 
     def __init__(self) -> None:
-        self.experts: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> [calls, slots]
-        self.layers: dict[int, list[int]] = {}  # layer -> [calls, rows]
+        self.calls: list[tuple[int, list[int], list[int], int]] = []  # (layer, union, slots of each, rows)
+        self.experts: dict[tuple[int, int], list[int]] = {}  # (layer, expert) -> [calls, slots], counted
+        self.layer_calls: dict[int, list[int]] = {}  # layer -> [calls, rows], counted
         self.since = time.monotonic()
+
+    @property
+    def layers(self) -> bool:
+        """Whether any call was noted."""
+        return bool(self.calls or self.layer_calls)
 
     def add(self, layer: int, union: list[int], slots: list[int], rows: int) -> None:
         """A call of `layer`: its batch union, the slots routed to each, its rows."""
-        for e, n in zip(union, slots, strict=True):
-            c = self.experts.setdefault((layer, e), [0, 0])
-            c[0] += 1
-            c[1] += n
-        lc = self.layers.setdefault(layer, [0, 0])
-        lc[0] += 1
-        lc[1] += rows
+        self.calls.append((layer, union, slots, rows))
+        if len(self.calls) >= self.FOLD_CALLS:
+            self._fold()
+
+    def _fold(self) -> None:
+        for layer, union, slots, rows in self.calls:
+            for e, n in zip(union, slots, strict=True):
+                c = self.experts.setdefault((layer, e), [0, 0])
+                c[0] += 1
+                c[1] += n
+            lc = self.layer_calls.setdefault(layer, [0, 0])
+            lc[0] += 1
+            lc[1] += rows
+        self.calls = []
 
     def messages(self) -> list[expert_store_pb2.LocalUsage]:
         """The counts as LocalUsage frames small enough for the lane (USAGE_ROWS experts each)."""
+        self._fold()
         ex = np.array([(k[0], k[1], c[0], c[1]) for k, c in self.experts.items()], dtype=np.int32).reshape(-1, 4)
-        ly = np.array([(k, c[0], c[1]) for k, c in self.layers.items()], dtype=np.int64).reshape(-1, 3)
+        ly = np.array([(k, c[0], c[1]) for k, c in self.layer_calls.items()], dtype=np.int64).reshape(-1, 3)
         out = []
         for i in range(0, max(len(ex), 1), USAGE_ROWS):
             out.append(expert_store_pb2.LocalUsage(experts=to_pb(ex[i : i + USAGE_ROWS]),
@@ -226,7 +240,6 @@ class RemoteExperts:
         self.clock = clock
         self.hidden_size = hidden_size
         self.step = 0
-        self._alive_at = -ALIVE_EVERY_S  # when a call last found the lane alive (time.monotonic)
         self.settled = False  # the store's last answer said hints cannot help it now
         self.stats = RemoteStats()
         self.call_seconds: deque[float] = deque()  # drained by the metrics after each step
@@ -335,12 +348,9 @@ class RemoteExperts:
         lane = self._connected_lane() if shared is not None else None
         if lane is None or lane.shared is None or shared is None:
             return None
-        now = time.monotonic()
-        if now - self._alive_at >= ALIVE_EVERY_S:  # the mapping stays valid after the store ends
-            if not lane.alive():  # the store ended: its calls fail (or reconnect) the usual way
-                self._lane_failed(lane)
-                return None
-            self._alive_at = now
+        if not lane.alive():  # the store ended: its calls fail (or reconnect) the usual way
+            self._lane_failed(lane)
+            return None
         t0 = time.perf_counter()
         ids = np.ascontiguousarray(ids, dtype=np.int32)
         routed = ids[ids >= 0] if slot_outputs else ids
