@@ -171,3 +171,28 @@ async def test_either_setting_turns_sharing_off(model: Path, tmp_path: Path) -> 
         await asyncio.to_thread(there.moe, 1, x, ids, w)
         assert there.stats.calls == 1 and there.stats.shared_calls == 0
         there.close()
+
+
+def test_usage_counts_the_calls_however_often_it_folds() -> None:
+    """The calls a worker computed from the shared experts reach the store as the same counts
+    whether they were folded as they came (FOLD_CALLS) or counted when the report was made."""
+    from moetier.rpc.tensors import from_pb
+    from services.dense_worker.remote import _Usage
+
+    rng = np.random.default_rng(9)
+    calls = [(int(rng.integers(0, 3)), sorted({int(e) for e in rng.integers(0, 8, 4)}), int(rng.integers(1, 5)))
+             for _ in range(50)]
+    reports = []
+    for fold in (7, 10_000):
+        u = _Usage()
+        u.FOLD_CALLS = fold
+        for layer, union, rows in calls:
+            u.add(layer, union, [e % 3 + 1 for e in union], rows)
+        assert u.layers
+        (msg,) = u.messages()
+        ex, ly = from_pb(msg.experts, "experts"), from_pb(msg.layers, "layers")
+        reports.append((sorted(map(tuple, ex.tolist())), sorted(map(tuple, ly.tolist()))))
+    assert reports[0] == reports[1]
+    ex_rows, ly_rows = reports[0]
+    assert sum(r[1] for r in ly_rows) == 50 and sum(r[2] for r in ly_rows) == sum(c[2] for c in calls)
+    assert sum(r[2] for r in ex_rows) == sum(len(c[1]) for c in calls)
