@@ -114,7 +114,6 @@ class GqaAttention:
             )
         return ops.linear(out.reshape(t, a.num_heads * hd), self.wo, self.bo)  # [T, D]
 
-
     def block(self, ops: Ops, x: F32, norm: F32, eps: float, cos: F32, sin: F32, segments: Sequence[Segment]) -> F32:
         """The residual stream after this layer: x + self(ops, rmsnorm(x, norm, eps), cos, sin,
         segments), x [T, D]. Where the ops have it (FastOps.gqa_layer) and the step holds one
@@ -146,6 +145,7 @@ class GqaAttention:
             a.num_kv_heads, a.head_dim, self.rope.interleave, self.scale, self.sinks, self.window)
         self.__dict__["_fused"] = (ops, norm, eps, run)
         return run
+
 
 class MlaAttention:
     def __init__(self, args: ModelArgs, layer: int, dense: Mapping[str, QTensor], rope: Rope, scale: float,
