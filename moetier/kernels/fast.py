@@ -175,6 +175,13 @@ def default_threads() -> int:
 # ---------------------------------------------------------------- validation
 
 
+def _i64(a: Any) -> npt.NDArray[np.int64]:
+    """a as a C-contiguous int64 array, without np.require's cost when it already is one."""
+    if type(a) is np.ndarray and a.dtype == np.int64 and a.flags.c_contiguous and a.flags.aligned:
+        return a
+    return np.require(a, np.int64, ["C", "A"])
+
+
 def _f32(a: Any, name: str) -> F32:
     if type(a) is np.ndarray and a.dtype == np.float32 and a.flags.c_contiguous and a.flags.aligned:
         return a  # the common case, without np.require's cost (a decode step makes hundreds of calls)
@@ -541,8 +548,7 @@ class FastOps:
                              f"{hkv} key/value heads (k {k.shape})")
         if pos.shape != (t,) or pos.dtype.kind not in "iu":
             raise ValueError(f"attention: q_pos must be integers of shape ({t},), got {pos.dtype} {pos.shape}")
-        if pos.dtype != np.int64 or not (pos.flags.c_contiguous and pos.flags.aligned):
-            pos = np.require(pos, np.int64, ["C", "A"])
+        pos = _i64(pos)
         if t:
             # a decode step's few positions: min and max of the list, without numpy's cost per call
             few = pos.tolist() if t <= 64 else None
@@ -629,8 +635,7 @@ class FastOps:
                 if not (type(cache) is np.ndarray and cache.dtype == np.float32 and cache.flags.c_contiguous
                         and cache.flags.writeable):
                     raise ValueError(f"gqa_block: {name} must be a writeable C-contiguous float32 array")
-            pos = q_pos if type(q_pos) is np.ndarray and q_pos.dtype == np.int64 and q_pos.flags.c_contiguous \
-                else np.require(q_pos, np.int64, ["C", "A"])
+            pos = _i64(q_pos)
             t = x.shape[0]
             if (x.ndim != 2 or x.shape[1] != d or pos.shape != (t,) or k_cache.shape != v_cache.shape
                     or k_cache.shape[1:] != cache_shape or cos.ndim != 2 or cos.shape != sin.shape

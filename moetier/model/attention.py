@@ -74,6 +74,7 @@ class GqaAttention:
         norm = args.qk_norm != "none"
         self.q_norm = vector(dense[f"{p}.q_norm"]) if norm else None
         self.k_norm = vector(dense[f"{p}.k_norm"]) if norm else None
+        self._fused: tuple[Any, F32, float, Any] | None = None  # (ops, norm, eps, its one-call layer)
 
     def _qk_norm(self, ops: Ops, x: F32, weight: F32 | None, heads: int) -> F32:
         if weight is None:
@@ -134,7 +135,7 @@ class GqaAttention:
     def _fused_layer(self, ops: Ops, norm: F32, eps: float) -> Any:
         """ops' one-call layer (FastOps.gqa_layer) with this layer's arguments, made once per ops
         and norm; None where the ops have none."""
-        got = self.__dict__.get("_fused")
+        got = self._fused
         if got is not None and got[0] is ops and got[1] is norm and got[2] == eps:
             return got[3]
         make = getattr(ops, "gqa_layer", None)
@@ -143,7 +144,7 @@ class GqaAttention:
             norm, eps, [(self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)], self.wo, self.bo, self.q_norm,
             self.k_norm, 0 if self.q_norm is None else 1 if a.qk_norm == "full" else 2, a.clip_qkv, a.num_heads,
             a.num_kv_heads, a.head_dim, self.rope.interleave, self.scale, self.sinks, self.window)
-        self.__dict__["_fused"] = (ops, norm, eps, run)
+        self._fused = (ops, norm, eps, run)
         return run
 
 

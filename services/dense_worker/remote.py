@@ -182,9 +182,9 @@ class _Usage:
         self.since = time.monotonic()
 
     @property
-    def layers(self) -> bool:
-        """Whether any call was noted."""
-        return bool(self.calls or self.layer_calls)
+    def empty(self) -> bool:
+        """No call was noted."""
+        return not (self.calls or self.layer_calls)
 
     def add(self, layer: int, union: list[int], slots: list[int], rows: int) -> None:
         """A call of `layer`: its batch union, the slots routed to each, its rows."""
@@ -390,7 +390,7 @@ class RemoteExperts:
         """Report the calls computed from the shared experts to the store, at most every
         USAGE_EVERY_S seconds (force: now), so its heat, hits and calls count them."""
         u = self._usage
-        if not u.layers or (not force and time.monotonic() - u.since < USAGE_EVERY_S):
+        if u.empty or (not force and time.monotonic() - u.since < USAGE_EVERY_S):
             return
         self._usage = _Usage()
         lane = self._lane

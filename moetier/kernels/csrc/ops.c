@@ -861,7 +861,7 @@ int mt_gqa_block(const mt_isa *isa, int nthreads, const mt_gqa *a) {
         float *const y[3] = {q, k, v};
         if (mt_linears(isa, nthreads, h, T, 3, w, bias, y, a->q8) < 0) goto done;
     }
-    const float *qs = q, *ks = k; /* after the q/k norms */
+    float *qs = q, *ks = k; /* after the q/k norms */
     if (a->qk_mode == 1) {        /* over the whole projection: rows of H * hd */
         mt_rmsnorm(isa, q, T, nq, a->qn, a->eps, qn);
         mt_rmsnorm(isa, k, T, nk, a->kn, a->eps, kn);
@@ -872,7 +872,7 @@ int mt_gqa_block(const mt_isa *isa, int nthreads, const mt_gqa *a) {
         qs = qn, ks = kn;
     }
     if (a->clip) { /* np.clip(v, -c, c) elementwise: maximum, then minimum; a NaN stays NaN */
-        float *const bufs[3] = {qs == q ? q : qn, ks == k ? k : kn, v};
+        float *const bufs[3] = {qs, ks, v};
         const int64_t lens[3] = {T * nq, T * nk, T * nk};
         const float c = a->clip_to;
         for (int b = 0; b < 3; b++)
