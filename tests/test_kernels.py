@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from moetier.kernels import (
     FastOps,
     c_available,
     c_paths,
+    c_problem,
     fast,
     idle_spin_us,
     park_helpers,
@@ -24,6 +26,7 @@ from moetier.kernels import (
 )
 from moetier.kernels.fast import Backend
 from moetier.model.ops import ReferenceOps, combine_slots, head_linears
+from moetier.model.router import routing_weights
 from moetier.weights.quant import (
     ExpertAct,
     ExpertWeights,
@@ -1111,6 +1114,62 @@ def test_route_softmax_chooses_as_the_router_does(ops: FastOps, dtype: str) -> N
         assert np.array_equal(ids[4], np.arange(n))
     with pytest.raises(ValueError, match="route_softmax"):
         ops.route_softmax(h, q, None, e + 1)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+def test_moe_block_is_the_layers_steps(ops: FastOps, dtype: str) -> None:
+    """FastOps.moe_block (a MoE layer of a table's experts in one call) gives the bits of its
+    steps: rmsnorm, the softmax router (route_softmax, routing_weights: renormalised or not,
+    scaled), moe_plain and the residual add; one token or many, with and without a logit bias.
+    A routed expert the table lacks is refused by name; biased experts make no table."""
+    rng = np.random.default_rng(9)
+    d, i, e = 64, 32, 8
+    ex = experts_of(rng, e, d, i, dtype, 32)
+    router = quantize(rand(rng, e, d), dtype, 32)
+    norm = (rng.random(d, dtype=np.float32) + 0.5).astype(np.float32)
+    table = ops.expert_table([ex[n] for n in range(e)], d)
+    if ops.backend == "numba":
+        assert table is None
+        return
+    assert table is not None
+    for t, k, renorm, scale, bias in ((1, 4, False, 1.0, None), (1, 3, True, 2.5, None), (5, 8, True, 1.0, rand(rng, e)),
+                                      (9, 2, False, 0.7, None)):
+        args = SimpleNamespace(norm_topk_prob=renorm, routed_scaling_factor=scale)
+        x = rand(rng, t, d) * 3
+        got, ids, wts = ops.moe_block(x, norm, 1e-5, router, bias, k, renorm, scale, table)
+        h = ops.rmsnorm(x, norm, 1e-5)
+        routed = ops.route_softmax(h, router, bias, k)
+        assert routed is not None
+        want_ids, chosen = routed
+        want_w = routing_weights(chosen, args)  # type: ignore[arg-type]
+        y = ops.moe_plain(h, want_ids, want_w, ex)
+        assert y is not None
+        assert np.array_equal(ids, want_ids) and np.array_equal(bits(wts), bits(want_w))
+        assert np.array_equal(bits(got), bits(x + y))
+    partial = ops.expert_table([ex[n] if n != int(ids[0, 0]) else None for n in range(e)], d)
+    assert partial is not None
+    with pytest.raises(ValueError, match="not in the table"):
+        ops.moe_block(x, norm, 1e-5, router, bias, k, False, 1.0, partial)
+    with pytest.raises(ValueError, match="moe_block"):
+        ops.moe_block(x, norm, 1e-5, router, bias, e + 1, False, 1.0, table)
+    w0 = ex[0]
+    assert ops.expert_table([ExpertWeights(w0.gate, w0.up, w0.down, gate_bias=rand(rng, i))], d) is None
+
+
+def test_np_sum_order_is_numpys() -> None:
+    """The renormalisation's row sum in the fused MoE layer is numpy's float32 sum, bit for bit,
+    for the k of every router (1..16) and beyond (pairwise blocks of 8, halves above 128): the
+    fused call and the Python path agree only while this holds."""
+    if not c_available():
+        pytest.skip(f"the C kernels are not built here: {c_problem()}")
+    from moetier.kernels import _ckernels as ck
+
+    rng = np.random.default_rng(3)
+    for n in (*range(1, 17), 23, 64, 129, 300):
+        a = (rng.random((200, n), dtype=np.float32) ** 6 * rng.choice([1e-3, 1.0, 1e3], (200, n))).astype(np.float32)
+        want = a.sum(axis=-1, keepdims=True)[:, 0]
+        got = np.array([ck.np_sum(np.ascontiguousarray(r), n) for r in a], dtype=np.float32)
+        assert np.array_equal(bits(got), bits(want)), n
 
 
 @pytest.mark.parametrize("dtype", ["int4", "int8"])

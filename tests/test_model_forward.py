@@ -369,14 +369,15 @@ class _Unfused:
         self._ops = ops
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("gqa_layer", "route_softmax"):
+        if name in ("gqa_layer", "route_softmax", "moe_block"):
             raise AttributeError(name)
         return getattr(self._ops, name)
 
 
-def _counted(ops: Any, calls: dict[str, int]) -> tuple[Any, Any]:
-    """ops' gqa_layer and route_softmax, counting the fused layers run and the routes into calls."""
-    real_layer, real_route = ops.gqa_layer, ops.route_softmax
+def _counted(ops: Any, calls: dict[str, int]) -> tuple[Any, Any, Any]:
+    """ops' gqa_layer, route_softmax and moe_block, counting the fused layers run and the routes
+    into calls."""
+    real_layer, real_route, real_moe = ops.gqa_layer, ops.route_softmax, ops.moe_block
 
     def layer(*a: Any) -> Any:
         run = real_layer(*a)
@@ -391,18 +392,23 @@ def _counted(ops: Any, calls: dict[str, int]) -> tuple[Any, Any]:
         calls["route_softmax"] += 1
         return real_route(*a)
 
-    return layer, route
+    def moe(*a: Any) -> Any:
+        calls["moe_block"] += 1
+        return real_moe(*a)
+
+    return layer, route, moe
 
 
 @pytest.mark.parametrize("arch", ["olmoe", "qwen3_moe", "gpt_oss", "mixtral", "qwen3_next", "deepseek_v3"])
 def test_fused_layers_give_the_bits_of_their_steps(arch: str, checkpoints: dict[str, Checkpoint]) -> None:
-    """GqaAttention.block in one kernel call (FastOps.gqa_layer) and the softmax router in one
-    (FastOps.route_softmax) against the same steps one by one, on every C path this CPU runs,
-    exact and int8 activations: a prefill chunk and decode steps give the same logits and KV
-    cache bits. q/k norms over the projection and clip_qkv (olmoe), per head and renormalised
-    routing weights (qwen3_moe), biases, sinks and sliding windows past their window (gpt_oss),
-    none (mixtral); gated attention (qwen3_next), MLA and the sigmoid router with groups
-    (deepseek_v3), gpt-oss's top-k softmax keep their own paths."""
+    """GqaAttention.block in one kernel call (FastOps.gqa_layer), the softmax router in one
+    (FastOps.route_softmax) and a MoE layer of resident experts in one (MoeBlock.block,
+    FastOps.moe_block) against the same steps one by one, on every C path this CPU runs, exact
+    and int8 activations: a prefill chunk and decode steps give the same logits and KV cache
+    bits. q/k norms over the projection and clip_qkv (olmoe), per head and renormalised routing
+    weights (qwen3_moe), biases, sinks and sliding windows past their window (gpt_oss), none
+    (mixtral); gated attention and shared experts (qwen3_next), MLA and the sigmoid router with
+    groups (deepseek_v3), gpt-oss's top-k softmax keep their own paths."""
     kernels = pytest.importorskip("moetier.kernels")
     if not kernels.c_available():
         pytest.skip("the C kernels are not built (the fused layers are their calls)")
@@ -416,8 +422,8 @@ def test_fused_layers_give_the_bits_of_their_steps(arch: str, checkpoints: dict[
     for path in [name for name, runs in c_paths().items() if runs]:
         for activations in ("exact", "int8"):
             ops = FastOps(path, threads=2, activations=activations)  # type: ignore[arg-type]
-            calls = {"gqa_block": 0, "route_softmax": 0}
-            ops.gqa_layer, ops.route_softmax = _counted(ops, calls)  # type: ignore[method-assign]
+            calls = {"gqa_block": 0, "route_softmax": 0, "moe_block": 0}
+            ops.gqa_layer, ops.route_softmax, ops.moe_block = _counted(ops, calls)  # type: ignore[method-assign]
             runs = []
             for o in (ops, _Unfused(ops)):
                 m = Model(args, dense, o, DictExperts(experts, ops))  # type: ignore[arg-type]
@@ -432,5 +438,8 @@ def test_fused_layers_give_the_bits_of_their_steps(arch: str, checkpoints: dict[
             for name, arr in kva.items():
                 assert np.array_equal(arr.view(np.uint8), kvb[name].view(np.uint8)), (path, activations, name)
             assert calls["gqa_block"] == 20 * attention_layers, calls
-            # every step's routing, and the prefetch predictions' (DictExperts wants hints)
-            assert calls["route_softmax"] >= 20 * routed_layers and bool(calls["route_softmax"]) == bool(routed_layers)
+            # every step's MoE layer in one call where it has no shared expert; the other steps'
+            # routing and the prefetch predictions' (DictExperts wants hints) through route_softmax
+            assert calls["moe_block"] == 20 * (0 if args.shared_intermediate_size else routed_layers), calls
+            routes = calls["route_softmax"] + calls["moe_block"]
+            assert routes >= 20 * routed_layers and bool(routes) == bool(routed_layers), calls

@@ -12,6 +12,7 @@ import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,9 +22,11 @@ from moetier.convert import synth
 from moetier.errors import Unavailable
 from moetier.kernels import FastOps
 from moetier.model.ops import DoneCall
+from moetier.model.router import routing_weights
 from moetier.settings import load_settings
 from moetier.store.tier import ExpertTier, TierConfig
 from moetier.weights.container import Container
+from moetier.weights.quant import quantize
 from services.dense_worker.remote import RemoteExperts, SharedCompute
 from services.expert_store.server import StoreServer, create_server
 
@@ -196,3 +199,52 @@ def test_usage_counts_the_calls_however_often_it_folds() -> None:
     ex_rows, ly_rows = reports[0]
     assert sum(r[1] for r in ly_rows) == 50 and sum(r[2] for r in ly_rows) == sum(c[2] for c in calls)
     assert sum(r[2] for r in ex_rows) == sum(len(c[1]) for c in calls)
+
+
+async def test_a_worker_computes_a_whole_layer_from_the_shared_experts(model: Path, tmp_path: Path) -> None:
+    """RemoteExperts.resident_table: every expert of a layer the store shares, as one kernel-side
+    table for FastOps.moe_block (MoeBlock.block: the layer's norm, router, experts and combine in
+    one call). Its answers are the store's bits, its calls are counted as shared calls and reach
+    the store; there is no table for an expert the store lacks, for other kernels, or once the
+    store is gone."""
+    rng = np.random.default_rng(8)
+    router = quantize(rng.standard_normal((E, D), dtype=np.float32), "int8", 32)
+    norm = (rng.random(D, dtype=np.float32) + 0.5).astype(np.float32)
+    args = SimpleNamespace(norm_topk_prob=True, routed_scaling_factor=2.5)
+    async with store(model, tmp_path) as (server, port):
+        here, there = worker_side(model, port), worker_side(model, port, shared=False)
+        try:
+            assert here.shared is not None
+            ops = here.shared.ops
+            for layer in LAYERS:
+                table = await asyncio.to_thread(here.resident_table, layer, ops, E)
+                assert table is not None and here.resident_table(layer, ops, E) is table  # made once
+                for t in (1, 3):
+                    x = rng.standard_normal((t, D), dtype=np.float32)
+                    got, ids, w = ops.moe_block(x, norm, 1e-6, router, None, K, True, 2.5, table)
+                    here.resident_done(layer, ids, t, 0.0)
+                    h = ops.rmsnorm(x, norm, 1e-6)
+                    routed = ops.route_softmax(h, router, None, K)
+                    assert routed is not None
+                    want_w = routing_weights(routed[1], args)  # type: ignore[arg-type]
+                    y = await asyncio.to_thread(there.moe, layer, h, routed[0], want_w)  # the store computes
+                    np.testing.assert_array_equal(ids, routed[0])
+                    np.testing.assert_array_equal(w.view(np.uint32), want_w.view(np.uint32))
+                    np.testing.assert_array_equal(got.view(np.uint32), (x + y).view(np.uint32))
+            assert here.stats.shared_calls == 4 and here.stats.rows == 8 and here.stats.calls == 0
+            assert not here.wants_hints()
+            assert here.resident_table(1, FastOps("c-portable", threads=1), E) is None  # not this worker's kernels
+            assert here.resident_table(1, ops, E + 1) is None  # an expert the store does not have
+            await asyncio.to_thread(here.flush_usage, True)
+            core = server.core
+            for _ in range(200):  # the lane's thread counts the report
+                if core.metrics.shared_calls.labels(layer="2")._value.get() == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert core.metrics.shared_calls.labels(layer="1")._value.get() == 2
+            assert core.metrics.shared_calls.labels(layer="2")._value.get() == 2
+            await server.stop(0)
+            assert await asyncio.to_thread(here.resident_table, 1, ops, E) is None  # not from a store that is gone
+        finally:
+            here.close()
+            there.close()

@@ -41,7 +41,7 @@ Backend = Literal["auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "nu
 BACKENDS: tuple[str, ...] = ("auto", "c", "c-portable", "c-avx2", "c-avx512", "c-neon", "numba")
 _DT = {"f32": 0, "bf16": 1, "int8": 2, "int4": 3, "mxfp4": 4}
 
-C_KERNELS_VERSION = 17  # MT_KERNELS_VERSION in csrc/mt.h
+C_KERNELS_VERSION = 18  # MT_KERNELS_VERSION in csrc/mt.h
 _C: ModuleType | None = None
 _C_PROBLEM = ""
 try:
@@ -415,6 +415,15 @@ class _NumbaBackend:
                           sinks is not None, int(window))
 
 
+class ExpertTable:
+    """A layer's experts held by the kernels for FastOps.moe_block (FastOps.expert_table)."""
+
+    __slots__ = ("d", "experts", "handle")
+
+    def __init__(self, handle: object, experts: int, d: int) -> None:
+        self.handle, self.experts, self.d = handle, experts, d
+
+
 # ---------------------------------------------------------------- FastOps
 
 
@@ -709,6 +718,47 @@ class FastOps:
             k.mod.experts(x, t, d, np.ascontiguousarray(ids_a, dtype=np.int64), ids_a.shape[1], slots, specs, k.isa,
                           k.threads, k.int8, weights, out)
         return out
+
+    def expert_table(self, experts: Sequence[ExpertWeights | None], d: int) -> ExpertTable | None:
+        """A layer's experts (`experts[e]`: expert e, None where it is not given) held for
+        `moe_block` on x [T, d]; None where this backend has no such call or a given expert is
+        not a plain SwiGLU expert. The table holds the experts' arrays until it is dropped."""
+        if not isinstance(self._k, _CBackend):
+            return None
+        specs: list[tuple[Any, ...] | None] = []
+        for e, w in enumerate(experts):
+            if w is None:
+                specs.append(None)
+                continue
+            if not _plain(w):
+                return None
+            specs.append(_expert_spec(w, e, d)[1:])
+        return ExpertTable(self._k.mod.expert_table(d, specs), len(specs), d)
+
+    def moe_block(self, x: F32, norm: F32, eps: float, router: QTensor, bias: F32 | None, k: int, renorm: bool,
+                  scale: float, table: ExpertTable) -> tuple[F32, I32, F32]:
+        """A MoE layer of the table's experts under a softmax router, residual stream in and out
+        (moetier.model.ffn.MoeBlock.block): h = rmsnorm(x); ids, chosen = `route_softmax`(h,
+        router, bias, k); weights = `routing_weights`(chosen) (renormalised where renorm, times
+        scale); x + `moe_plain`(h, ids, weights). Returns (x [T, D], ids [T, k] int32, weights
+        [T, k]). One kernel call running what those calls run, so the same bits. A routed expert
+        the table lacks is a ValueError."""
+        x = _f32(x, "x")
+        b = self._k
+        if not isinstance(b, _CBackend):
+            raise ValueError("moe_block: this backend has no such call (see expert_table)")
+        rows, cols, spec = _spec(router, "router")
+        t = x.shape[0]
+        if x.ndim != 2 or x.shape[1] != table.d or cols != table.d or rows != table.experts or not 1 <= k <= rows:
+            raise ValueError(f"moe_block: x {x.shape}, router {router.shape}, {k} experts a row and a table of "
+                             f"{table.experts} experts of width {table.d} do not fit")
+        out = np.empty_like(x)
+        ids, weights = np.empty((t, k), np.int32), np.empty((t, k), np.float32)
+        if t:
+            b.mod.moe_block(x, t, table.d, _f32(norm, "norm"), float(eps), spec, None if bias is None else
+                            _f32(bias, "bias"), k, renorm, float(scale), table.handle, out, ids, weights, b.isa,
+                            b.threads, b.int8)
+        return out, ids, weights
 
     def expert_outputs(self, x: F32, ids: npt.NDArray[np.int32], experts: Mapping[int, ExpertWeights],
                        out: F32) -> None:

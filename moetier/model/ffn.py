@@ -11,6 +11,7 @@ where the provider computes elsewhere (`start_moe`): the same sum, the same bits
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -49,6 +50,26 @@ class MoeBlock:
         self.router = Router(args, dense[f"{p}.router"], bias, logit_bias)
         self.shared = SwiGlu(dense, f"{p}.shared") if args.shared_intermediate_size else None
         self.shared_gate = dense[f"{p}.shared_gate"] if args.shared_expert_gate else None  # [1, D]
+
+    def block(self, ops: Ops, experts: ExpertProvider, x: F32, norm: F32, eps: float) -> tuple[F32, I32] | None:
+        """x + self(rmsnorm(x), route(rmsnorm(x))) in one kernel call (FastOps.moe_block, the same
+        bits), where the provider holds every expert of the layer here (its `resident_table`), the
+        router is a plain softmax and there is no shared expert: (x [T, D], ids [T, K]). None
+        otherwise: the caller runs the steps."""
+        fused = getattr(ops, "moe_block", None)
+        resident, done = getattr(experts, "resident_table", None), getattr(experts, "resident_done", None)
+        router = self.router
+        if fused is None or resident is None or done is None or self.shared is not None or not router.plain_softmax:
+            return None
+        table = resident(self.layer, ops, router.weight.shape[0])
+        if table is None:
+            return None
+        a = router.args
+        t0 = time.perf_counter()
+        y, ids, _ = fused(x, norm, eps, router.weight, router.logit_bias, a.num_experts_per_tok,
+                          bool(a.norm_topk_prob), a.routed_scaling_factor, table)
+        done(self.layer, ids, len(x), time.perf_counter() - t0)
+        return y, ids
 
     def __call__(self, ops: Ops, experts: ExpertProvider, x: F32, ids: I32, weights: F32) -> F32:
         """x [T, D] (normed), routing ids/weights [T, K] -> [T, D]."""

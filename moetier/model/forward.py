@@ -237,17 +237,23 @@ class Model:
         else:
             x = x + layer.attention(ops, ops.rmsnorm(x, layer.attn_norm, eps), cos, sin, segments)  # [T, D]
 
-        h = ops.rmsnorm(x, layer.ffn_norm, eps)  # [T, D]
-        if layer.moe is None:
+        moe = layer.moe
+        if moe is None:
             assert layer.mlp is not None
-            return x + layer.mlp(ops, h)
-        ids, weights = layer.moe.router.route(ops, h)  # [T, K]
+            return x + layer.mlp(ops, ops.rmsnorm(x, layer.ffn_norm, eps))
+        fused = moe.block(ops, self.experts, x, layer.ffn_norm, eps)  # x + moe(rmsnorm(x)), where it can be
+        if fused is not None:
+            x, ids = fused
+        else:
+            h = ops.rmsnorm(x, layer.ffn_norm, eps)  # [T, D]
+            ids, weights = moe.router.route(ops, h)  # [T, K]
+            x = x + moe(ops, self.experts, h, ids, weights)
         if predicted is not None:
             used = np.unique(ids).astype(np.int32)
             self.stats.prefetch.record(i, predicted, used)
             if i in self._ahead:
                 self.stats.ahead.record(i, self._ahead.pop(i), used)
-        return x + layer.moe(ops, self.experts, h, ids, weights)
+        return x
 
     def _predict(self, layer: Layer, x: F32, top: int) -> I32:
         """The `top` experts of each row the layer's router weighs most for the hidden state

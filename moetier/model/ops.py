@@ -79,7 +79,13 @@ class Ops(Protocol):
 class ExpertProvider(Protocol):
     """Where a layer's routed experts are computed: in-process over a dict or a RAM/NVMe tier,
     or one ComputeExperts RPC per layer per step. Every implementation ends in `Ops.moe`, so
-    where an expert came from never changes the result."""
+    where an expert came from never changes the result.
+
+    A provider that holds every expert of a layer in this process's memory may also offer
+    `resident_table(layer, ops, n_experts)`: the layer's experts as one kernel-side table
+    (FastOps.expert_table), or None where it cannot now; MoeBlock.block then runs the layer's
+    norm, router, experts and combine in one kernel call (the same bits) and reports it with
+    `resident_done(layer, ids, rows, seconds)`."""
 
     def moe(self, layer: int, x: F32, ids: npt.NDArray[np.int32], weights: F32) -> F32:
         """Routed experts of `layer` over all rows of a step: x [T, D], ids/weights [T, K] -> [T, D]."""

@@ -93,10 +93,16 @@ class Router:
             top = np.ascontiguousarray(np.take_along_axis(logits, ids, axis=-1))  # [T, K]
             return ids.astype(np.int32), np.ascontiguousarray(ops.softmax(top), dtype=np.float32)
         fused = getattr(ops, "route_softmax", None)  # the softmax router in one kernel call, the same bits
-        a = self.args
-        if fused is not None and a.scoring_func == "softmax" and self.bias is None and a.group_score == "none":
-            got = fused(x, self.weight, self.logit_bias, a.num_experts_per_tok)
+        if fused is not None and self.plain_softmax:
+            got = fused(x, self.weight, self.logit_bias, self.args.num_experts_per_tok)
             if got is not None:
                 ids, chosen = got
-                return ids, routing_weights(chosen, a)
+                return ids, routing_weights(chosen, self.args)
         return select_experts(self.scores(ops, x), self.bias, self.args)
+
+    @property
+    def plain_softmax(self) -> bool:
+        """A softmax router without a correction bias or expert groups: the choice that
+        FastOps.route_softmax (and FastOps.moe_block) make in one kernel call."""
+        a = self.args
+        return a.scoring_func == "softmax" and self.bias is None and a.group_score == "none"

@@ -52,6 +52,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -66,6 +67,9 @@ from moetier.rpc.tensors import from_pb, to_pb
 from moetier.rpc.v1 import expert_store_pb2, expert_store_pb2_grpc
 from moetier.weights.quant import ExpertWeights
 from services.dense_worker.timing import PhaseClock
+
+if TYPE_CHECKING:
+    from moetier.kernels.fast import ExpertTable
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +237,7 @@ class RemoteExperts:
         self.shared = shared
         self._lane: LocalClient | None = None  # the store's local lane, when connected
         self._weights: dict[tuple[int, int], ExpertWeights] = {}  # parsed shared records of this lane
+        self._tables: dict[tuple[int, int], ExpertTable | None] = {}  # (layer, experts) -> resident_table's
         self._usage = _Usage()
         self.model_id = model_id
         self.timeout_s = timeout_s
@@ -385,6 +390,47 @@ class RemoteExperts:
         self.stats.store_hits += len(experts)
         self._usage.add(layer, union, counts, len(x))
         return y
+
+    def resident_table(self, layer: int, ops: Ops, n_experts: int) -> ExpertTable | None:
+        """Every expert of `layer` as one kernel-side table (FastOps.expert_table) where the store
+        shares all n_experts of it over the lane and `ops` are this worker's kernels: MoeBlock.block
+        then computes the layer here in one call, as `_shared_compute` would (the same bits). None
+        otherwise, or where the store is gone (checked every call, as every call does)."""
+        shared = self.shared
+        lane = self._connected_lane() if shared is not None else None
+        if lane is None or lane.shared is None or shared is None or ops is not shared.ops:
+            return None
+        if not lane.alive():  # the store ended: the call goes the usual way (and fails or reconnects)
+            self._lane_failed(lane)
+            return None
+        key = (layer, n_experts)
+        if key in self._tables:
+            return self._tables[key]
+        table, where = None, lane.shared.where
+        make = getattr(ops, "expert_table", None)
+        if make is not None and all((layer, e) in where for e in range(n_experts)):
+            experts = []
+            for e in range(n_experts):
+                w = self._weights.get((layer, e))
+                if w is None:
+                    w = self._weights[(layer, e)] = shared.parse(lane.shared.record(layer, e))
+                experts.append(w)
+            table = make(experts, experts[0].gate.shape[1]) if experts else None
+        self._tables[key] = table
+        return table
+
+    def resident_done(self, layer: int, ids: I32, rows: int, seconds: float) -> None:
+        """A call of `layer` computed from `resident_table`'s table: counted as `_shared_compute`
+        counts its calls (its norm and router included in the "expert" phase)."""
+        if self.clock is not None:
+            self.clock.add("expert", seconds)
+        flat = ids.reshape(-1).tolist()
+        union = sorted(set(flat))
+        self.settled = True
+        self.stats.shared_calls += 1
+        self.stats.rows += rows
+        self.stats.store_hits += len(union)
+        self._usage.add(layer, union, [flat.count(e) for e in union], rows)
 
     def flush_usage(self, force: bool = False) -> None:
         """Report the calls computed from the shared experts to the store, at most every
@@ -560,6 +606,7 @@ class RemoteExperts:
             hints, self._hints = self._hints, None
             lane, self._lane = self._lane, None
             self._weights = {}
+            self._tables = {}
         if lane is not None:
             lane.close()
         if hints is not None:  # the hints still queued are for the old channel: drop them, then stop

@@ -306,16 +306,13 @@ static PyObject *py_experts(PyObject *self, PyObject *args) {
     const Py_ssize_t n = PyList_GET_SIZE(specs);
     bufset bs = {.n = 0};
     qmat *w = PyMem_Calloc((size_t)(3 * n + 1), sizeof(qmat));
-    mt_expert *ex = PyMem_Calloc((size_t)(n + 1), sizeof(mt_expert));
-    long long *eid = PyMem_Calloc((size_t)(n + 1), sizeof(long long));
-    int64_t *pos = PyMem_Malloc((size_t)(T * K + 1) * sizeof(int64_t));
-    float *xs = NULL, *ys = NULL;
+    int64_t *eid = PyMem_Calloc((size_t)(n + 1), sizeof(int64_t));
     const float *x, *cw = NULL;
     const int64_t *ids;
     float *y, *combined = NULL;
     PyObject *ret = NULL;
     int rc = 0;
-    if (!w || !ex || !eid || !pos) {
+    if (!w || !eid) {
         PyErr_NoMemory();
         goto fail;
     }
@@ -330,42 +327,16 @@ static PyObject *py_experts(PyObject *self, PyObject *args) {
                           !(combined = get_buf(&bs, co, T * D * 4, 1, "combined"))))
         goto fail;
     for (Py_ssize_t e = 0; e < n; e++) {
-        long long I;
+        long long I, id;
         PyObject *gs, *us, *ds;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(specs, e), "LLOOO", &eid[e], &I, &gs, &us, &ds)) goto fail;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(specs, e), "LLOOO", &id, &I, &gs, &us, &ds)) goto fail;
+        eid[e] = id;
         if (parse_qmat(&bs, gs, I, D, &w[3 * e], "gate") < 0 || parse_qmat(&bs, us, I, D, &w[3 * e + 1], "up") < 0 ||
             parse_qmat(&bs, ds, D, I, &w[3 * e + 2], "down") < 0)
             goto fail;
     }
-    /* each expert's slots, in (t, k) order */
-    int64_t nrows = 0;
-    for (Py_ssize_t e = 0; e < n; e++) {
-        ex[e].T = 0;
-        for (int64_t s = 0; s < T * K; s++)
-            if (ids[s] == eid[e]) pos[nrows + ex[e].T++] = s;
-        nrows += ex[e].T;
-    }
-    xs = PyMem_Malloc((size_t)(nrows * D + 1) * 4);
-    ys = PyMem_Malloc((size_t)(nrows * D + 1) * 4);
-    if (!xs || !ys) {
-        PyErr_NoMemory();
-        goto fail;
-    }
     Py_BEGIN_ALLOW_THREADS
-    int64_t r = 0;
-    for (Py_ssize_t e = 0; e < n; e++) {
-        ex[e].x = xs + r * D;
-        ex[e].y = ys + r * D;
-        ex[e].gate = &w[3 * e];
-        ex[e].up = &w[3 * e + 1];
-        ex[e].down = &w[3 * e + 2];
-        for (int64_t i = 0; i < ex[e].T; i++) memcpy(xs + (r + i) * D, x + (pos[r + i] / K) * D, (size_t)D * 4);
-        r += ex[e].T;
-    }
-    rc = mt_ffn_many(isa, nthreads, n, ex, q8);
-    if (rc == 0)
-        for (int64_t i = 0; i < nrows; i++) memcpy(y + pos[i] * D, ys + i * D, (size_t)D * 4);
-    if (rc == 0 && combined) mt_combine(y, cw, T, K, D, combined); /* combine_slots, in k order */
+    rc = mt_experts_run(isa, nthreads, x, T, D, ids, K, n, eid, w, q8, y, cw, combined);
     Py_END_ALLOW_THREADS
     if (rc < 0) PyErr_NoMemory();
     else {
@@ -375,12 +346,110 @@ static PyObject *py_experts(PyObject *self, PyObject *args) {
 fail:
     bufset_release(&bs);
     PyMem_Free(w);
-    PyMem_Free(ex);
     PyMem_Free(eid);
-    PyMem_Free(pos);
-    PyMem_Free(xs);
-    PyMem_Free(ys);
     return ret;
+}
+
+/* A layer's experts held for moe_block (expert_table): their parsed weights, the buffers they
+ * lie in held (exported) until the table is dropped. */
+typedef struct {
+    int64_t E, D;
+    qmat *w;
+    unsigned char *have;
+    bufset bs;
+} xtable;
+
+#define XTABLE "moetier.expert_table"
+
+static void xtable_free(PyObject *cap) {
+    xtable *t = PyCapsule_GetPointer(cap, XTABLE);
+    if (!t) return;
+    bufset_release(&t->bs);
+    PyMem_Free(t->w);
+    PyMem_Free(t->have);
+    PyMem_Free(t);
+}
+
+static PyObject *py_expert_table(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *specs;
+    long long D;
+    if (!PyArg_ParseTuple(args, "LO!", &D, &PyList_Type, &specs)) return NULL;
+    const Py_ssize_t E = PyList_GET_SIZE(specs);
+    xtable *t = PyMem_Calloc(1, sizeof(xtable));
+    if (!t) return PyErr_NoMemory();
+    t->E = E;
+    t->D = D;
+    t->w = PyMem_Calloc((size_t)(3 * E + 1), sizeof(qmat));
+    t->have = PyMem_Calloc((size_t)(E + 1), 1);
+    PyObject *cap = NULL;
+    if (!t->w || !t->have) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t e = 0; e < E; e++) {
+        PyObject *spec = PyList_GET_ITEM(specs, e);
+        if (spec == Py_None) continue;
+        long long I;
+        PyObject *gs, *us, *ds;
+        if (!PyArg_ParseTuple(spec, "LOOO", &I, &gs, &us, &ds)) goto fail;
+        if (parse_qmat(&t->bs, gs, I, D, &t->w[3 * e], "gate") < 0 ||
+            parse_qmat(&t->bs, us, I, D, &t->w[3 * e + 1], "up") < 0 ||
+            parse_qmat(&t->bs, ds, D, I, &t->w[3 * e + 2], "down") < 0)
+            goto fail;
+        t->have[e] = 1;
+    }
+    cap = PyCapsule_New(t, XTABLE, xtable_free);
+    if (cap) return cap;
+fail:
+    bufset_release(&t->bs);
+    PyMem_Free(t->w);
+    PyMem_Free(t->have);
+    PyMem_Free(t);
+    return NULL;
+}
+
+static PyObject *py_moe_block(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *xo, *no, *rspec, *bo, *tab, *oo, *io, *wo;
+    long long T, D, K;
+    float eps, scale;
+    int renorm, isa_i, nthreads, q8;
+    if (!PyArg_ParseTuple(args, "OLLOfOOLpfOOOOiip", &xo, &T, &D, &no, &eps, &rspec, &bo, &K, &renorm, &scale, &tab,
+                          &oo, &io, &wo, &isa_i, &nthreads, &q8))
+        return NULL;
+    const mt_isa *isa = get_isa(isa_i);
+    if (!isa) return NULL;
+    xtable *t = PyCapsule_GetPointer(tab, XTABLE);
+    if (!t) return NULL;
+    if (T < 1 || K < 1 || K > t->E || D != t->D) {
+        PyErr_Format(PyExc_ValueError, "moe_block: %lld of %lld experts for %lld rows of width %lld (the table's: %lld)",
+                     K, (long long)t->E, T, D, (long long)t->D);
+        return NULL;
+    }
+    bufset bs = {.n = 0};
+    qmat router;
+    mt_moe a = {.T = T, .D = D, .eps = eps, .router = &router, .K = K, .renorm = renorm, .scale = scale,
+                .E = t->E, .w = t->w, .have = t->have, .q8 = q8};
+    if (parse_qmat(&bs, rspec, t->E, D, &router, "router") < 0 || !(a.x = get_buf(&bs, xo, T * D * 4, 0, "x")) ||
+        !(a.norm = get_buf(&bs, no, D * 4, 0, "norm")) ||
+        (bo != Py_None && !(a.bias = get_buf(&bs, bo, t->E * 4, 0, "bias"))) ||
+        !(a.out = get_buf(&bs, oo, T * D * 4, 1, "out")) || !(a.ids = get_buf(&bs, io, T * K * 4, 1, "ids")) ||
+        !(a.weights = get_buf(&bs, wo, T * K * 4, 1, "weights"))) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = mt_moe_block(isa, nthreads, &a);
+    Py_END_ALLOW_THREADS
+    bufset_release(&bs);
+    if (rc == -2) {
+        PyErr_SetString(PyExc_ValueError, "moe_block: a routed expert is not in the table");
+        return NULL;
+    }
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
 }
 
 static PyObject *py_rmsnorm(PyObject *self, PyObject *args) {
@@ -587,6 +656,22 @@ static PyObject *py_route_softmax(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_np_sum(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *ao;
+    long long n;
+    if (!PyArg_ParseTuple(args, "OL", &ao, &n)) return NULL;
+    bufset bs = {.n = 0};
+    const float *a = get_buf(&bs, ao, n * 4, 0, "a");
+    if (!a) {
+        bufset_release(&bs);
+        return NULL;
+    }
+    const float s = mt_np_sum(a, n);
+    bufset_release(&bs);
+    return PyFloat_FromDouble(s);
+}
+
 static PyObject *py_glu_clamped(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *go, *uo;
@@ -763,6 +848,13 @@ static PyMethodDef methods[] = {
     {"route_softmax", py_route_softmax, METH_VARARGS,
      "route_softmax(h, T, C, E, (dtype, data, scales, g), bias, K, ids, chosen, isa, threads, int8_activations): "
      "the softmax router's K best experts of each row (best first, the lower on ties) and their scores"},
+    {"expert_table", py_expert_table, METH_VARARGS,
+     "expert_table(D, [(I, gate, up, down) or None for each expert]) -> a layer's experts for moe_block (their "
+     "buffers held until it is dropped)"},
+    {"moe_block", py_moe_block, METH_VARARGS,
+     "moe_block(x, T, D, norm, eps, (dtype, data, scales, g), bias, K, renorm, scale, table, out, ids, weights, isa, "
+     "threads, int8_activations): a MoE layer of the table's experts with a softmax router, residual in and out"},
+    {"np_sum", py_np_sum, METH_VARARGS, "np_sum(a, N) -> numpy's float32 sum of a's N numbers (moe_block's row sum)"},
     {"glu_clamped", py_glu_clamped, METH_VARARGS,
      "glu_clamped(gate, up, N, alpha, limit): gpt-oss's clamped SwiGLU into gate, elementwise"},
     {"exp", py_exp, METH_VARARGS, "exp(x, N, out, isa): the contract's exponential, elementwise"},

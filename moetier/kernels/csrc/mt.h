@@ -74,7 +74,7 @@
 /* Bumped whenever the Python-facing signatures or the arithmetic change, or a fix must
  * not be missed (6: per-ISA paths chosen by name); fast.py refuses a build of another
  * version (a stale in-place build after a pull) and says so. */
-#define MT_KERNELS_VERSION 17
+#define MT_KERNELS_VERSION 18
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_INT8 = 2, DT_INT4 = 3, DT_MXFP4 = 4 };
 #define MT_MX_GROUP 32 /* mxfp4: values per e8m0 scale */
@@ -423,6 +423,42 @@ int mt_gqa_block(const mt_isa *isa, int nthreads, const mt_gqa *a);
  * softmax are the functions the Python path calls, so the same bits. Returns 0, or -1 (no memory). */
 int mt_route_softmax(const mt_isa *isa, int nthreads, const float *h, int64_t T, const qmat *w, const float *bias,
                      int64_t K, int q8, int32_t *ids, float *chosen);
+/* The slots of the listed experts: y[s] = FFN_e(x[s / K]) for every slot s < T * K with ids[s] =
+ * eid[e], e < n (w: gate, up and down of each, 3n); other slots are left as they are. With cw
+ * [T, K] (and combined [T, D]), also combined = mt_combine(y, cw). x [T, D], y [T, K, D]. The
+ * bits of mt_ffn_many on each expert's rows. Returns 0, or -1 (no memory). */
+int mt_experts_run(const mt_isa *isa, int nthreads, const float *x, int64_t T, int64_t D, const int64_t *ids,
+                   int64_t K, int64_t n, const int64_t *eid, const qmat *w, int q8, float *y, const float *cw,
+                   float *combined);
+/* numpy's float32 sum of n contiguous numbers (np.add.reduce over a row: its pairwise_sum -- under 8
+ * in order from -0.0, up to 128 in eight running sums then ((r0 + r1) + (r2 + r3)) + ((r4 + r5) +
+ * (r6 + r7)) and the rest in order, above that the two halves at a multiple of 8). */
+float mt_np_sum(const float *a, int64_t n);
+/* A MoE layer of resident plain SwiGLU experts with a softmax router, residual stream in and out
+ * (moetier.model.ffn.MoeBlock.block): h = rmsnorm(x, norm, eps); ids, chosen = mt_route_softmax(h,
+ * router, bias, K); weights = chosen, divided by (their mt_np_sum + 1e-20) where renorm, times
+ * scale; out = x + mt_combine(the slots of mt_experts_run, weights). The experts are the table's:
+ * w [3E] (gate, up, down of expert e at 3e), have [E] nonzero where expert e is there. ids [T, K]
+ * int32 and weights [T, K] are written too. Each step is the function the Python path calls, so
+ * the same bits. Returns 0, -1 (no memory) or -2 (a routed expert is not in the table). */
+typedef struct {
+    const float *x, *norm;
+    int64_t T, D;
+    float eps;
+    const qmat *router;
+    const float *bias;
+    int64_t K;
+    int renorm;
+    float scale;
+    int64_t E;
+    const qmat *w;
+    const unsigned char *have;
+    int q8;
+    float *out;
+    int32_t *ids;
+    float *weights;
+} mt_moe;
+int mt_moe_block(const mt_isa *isa, int nthreads, const mt_moe *a);
 /* gpt-oss's clamped SwiGLU, elementwise: g = min(g, limit), u = clamp(u, -limit, limit),
  * g = (u + 1) * (g * (1 / (1 + exp(-(g * alpha))))) -- with the contract's exp, in place in g */
 void mt_glu_clamped(float *g, const float *u, int64_t n, float alpha, float limit);

@@ -942,3 +942,114 @@ done:
     free(taken);
     return rc;
 }
+
+int mt_experts_run(const mt_isa *isa, int nthreads, const float *x, int64_t T, int64_t D, const int64_t *ids,
+                   int64_t K, int64_t n, const int64_t *eid, const qmat *w, int q8, float *y, const float *cw,
+                   float *combined) {
+    mt_expert *ex = calloc((size_t)(n + 1), sizeof(mt_expert));
+    int64_t *pos = malloc((size_t)(T * K + 1) * sizeof(int64_t));
+    float *xs = NULL, *ys = NULL;
+    int rc = -1;
+    if (!ex || !pos) goto done;
+    /* each expert's slots, in (t, k) order */
+    int64_t nrows = 0;
+    for (int64_t e = 0; e < n; e++) {
+        ex[e].T = 0;
+        for (int64_t s = 0; s < T * K; s++)
+            if (ids[s] == eid[e]) pos[nrows + ex[e].T++] = s;
+        nrows += ex[e].T;
+    }
+    xs = malloc((size_t)(nrows * D + 1) * 4);
+    ys = malloc((size_t)(nrows * D + 1) * 4);
+    if (!xs || !ys) goto done;
+    int64_t r = 0;
+    for (int64_t e = 0; e < n; e++) {
+        ex[e].x = xs + r * D;
+        ex[e].y = ys + r * D;
+        ex[e].gate = &w[3 * e];
+        ex[e].up = &w[3 * e + 1];
+        ex[e].down = &w[3 * e + 2];
+        for (int64_t i = 0; i < ex[e].T; i++) memcpy(xs + (r + i) * D, x + (pos[r + i] / K) * D, (size_t)D * 4);
+        r += ex[e].T;
+    }
+    rc = mt_ffn_many(isa, nthreads, n, ex, q8);
+    if (rc == 0)
+        for (int64_t i = 0; i < nrows; i++) memcpy(y + pos[i] * D, ys + i * D, (size_t)D * 4);
+    if (rc == 0 && combined) mt_combine(y, cw, T, K, D, combined); /* combine_slots, in k order */
+done:
+    free(ex);
+    free(pos);
+    free(xs);
+    free(ys);
+    return rc;
+}
+
+float mt_np_sum(const float *a, int64_t n) {
+    if (n < 8) {
+        float r = -0.0f;
+        for (int64_t i = 0; i < n; i++) r += a[i];
+        return r;
+    }
+    if (n <= 128) {
+        float r[8];
+        int64_t i;
+        for (int j = 0; j < 8; j++) r[j] = a[j];
+        for (i = 8; i < n - (n % 8); i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[i + j];
+        float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    int64_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return mt_np_sum(a, n2) + mt_np_sum(a + n2, n - n2);
+}
+
+int mt_moe_block(const mt_isa *isa, int nthreads, const mt_moe *a) {
+    const int64_t T = a->T, D = a->D, K = a->K;
+    float *h = mt_xalloc((size_t)(T * D) * 4), *slots = mt_xalloc((size_t)(T * K * D) * 4);
+    float *mixed = mt_xalloc((size_t)(T * D) * 4);
+    int64_t *ids = malloc((size_t)(T * K) * sizeof(int64_t)), *eid = malloc((size_t)(T * K) * sizeof(int64_t));
+    qmat *w = malloc((size_t)(3 * T * K) * sizeof(qmat));
+    int rc = -1;
+    if (!h || !slots || !mixed || !ids || !eid || !w) goto done;
+    mt_rmsnorm(isa, a->x, T, D, a->norm, a->eps, h);
+    if (mt_route_softmax(isa, nthreads, h, T, a->router, a->bias, K, a->q8, a->ids, a->weights) < 0) goto done;
+    for (int64_t t = 0; t < T; t++) { /* routing_weights: / (sum + 1e-20) where renorm, then * scale */
+        float *wt = a->weights + t * K;
+        if (a->renorm) {
+            const float s = mt_np_sum(wt, K) + 1e-20f;
+            for (int64_t j = 0; j < K; j++) wt[j] = wt[j] / s;
+        }
+        for (int64_t j = 0; j < K; j++) wt[j] = wt[j] * a->scale;
+    }
+    /* the union of the routed experts, in increasing order (moe_plain's), each with its weights */
+    int64_t n = 0;
+    for (int64_t s = 0; s < T * K; s++) {
+        const int64_t e = a->ids[s];
+        ids[s] = e;
+        if (e < 0 || e >= a->E || !a->have[e]) {
+            rc = -2;
+            goto done;
+        }
+        int64_t i = n;
+        while (i > 0 && eid[i - 1] > e) i--;
+        if (i > 0 && eid[i - 1] == e) continue;
+        memmove(eid + i + 1, eid + i, (size_t)(n - i) * sizeof(int64_t));
+        eid[i] = e;
+        n++;
+    }
+    for (int64_t i = 0; i < n; i++) memcpy(&w[3 * i], &a->w[3 * eid[i]], 3 * sizeof(qmat));
+    memset(slots, 0, (size_t)(T * K * D) * 4);
+    if (mt_experts_run(isa, nthreads, h, T, D, ids, K, n, eid, w, a->q8, slots, a->weights, mixed) < 0) goto done;
+    for (int64_t i = 0; i < T * D; i++) a->out[i] = a->x[i] + mixed[i];
+    rc = 0;
+done:
+    free(h);
+    free(slots);
+    free(mixed);
+    free(ids);
+    free(eid);
+    free(w);
+    return rc;
+}
