@@ -24,6 +24,7 @@ from moetier.prefix import block_hashes
 from moetier.rpc.errors import RETRY_AFTER_KEY, rpc_errors
 from moetier.rpc.v1 import dense_worker_pb2, dense_worker_pb2_grpc, generate_pb2, router_pb2, router_pb2_grpc
 from moetier.settings import Settings, load_settings
+from services.router.registry import MemberInfo, MemberKind, Registry
 from services.router.server import SERVICE_NAME, RouterServer, create_server
 
 pytestmark = pytest.mark.timeout(30)
@@ -217,6 +218,32 @@ async def test_register_heartbeat_expiry(make_router: Callable[..., Awaitable[Ha
     assert (await h.status()).members == []
     assert not await h.heartbeat("w1")
     assert h.metric("moetier_router_member_departures_total", reason="expired") == 1
+
+
+def test_a_router_that_stalled_does_not_expire_the_members_it_could_not_hear() -> None:
+    """Registry.sweep (the expiry task's round): a member silent for expiry_s leaves; but where the
+    router's own loop did not run (a round due after 1 s ran 20 s later), that time is not counted
+    against the members, and one that stays silent afterwards leaves expiry_s later."""
+    now = [0.0]
+    reg = Registry(1.0, 5.0, clock=lambda: now[0])
+    info = MemberInfo(MemberKind.DENSE_WORKER, "w1", "127.0.0.1:1", "", "m", ())
+    reg.register(info)
+    for t in (1.0, 2.0):  # rounds on time, heard from at 2
+        now[0] = t
+        assert reg.sweep(1.0) == []
+    assert reg.heartbeat("w1", None)
+    now[0] = 22.0  # the router stalled for 19 s past its next round
+    assert reg.sweep(1.0) == [] and reg.get("w1") is not None
+    for t in (23.0, 24.0, 25.0, 26.0):  # silent since the router runs again, under expiry_s
+        now[0] = t
+        assert reg.sweep(1.0) == []
+    now[0] = 27.5
+    assert reg.sweep(1.0) == ["w1"]  # 6.5 s of silence the router was there to hear (1 before its stall)
+    reg.register(info)
+    for t in (28.5, 29.5, 30.5, 31.5, 32.5, 33.5):  # no stall: silence expires it as always
+        now[0] = t
+        gone = reg.sweep(1.0)
+    assert gone == ["w1"]
 
 
 async def test_reregister_with_new_address_replaces(router: Harness) -> None:

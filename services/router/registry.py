@@ -80,6 +80,7 @@ class Registry:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.expiry_s = expiry_s
         self._clock = clock
+        self._last_sweep: float | None = None  # when the expiry task last ran (sweep)
         self._members: dict[str, Member] = {}
         self._listeners: list[Listener] = []
 
@@ -149,9 +150,25 @@ class Registry:
             self.remove(member_id, "expired")
         return gone
 
+    def sweep(self, period: float) -> list[str]:
+        """One round of the expiry task, due `period` after the last: `expire`, except that time
+        the router itself lost -- a round later than due by more than a period, its event loop
+        stalled (a host starved of CPU or of memory: every process of a capped cluster stalls in
+        reclaim at once) -- is not counted against the members, whose heartbeats it could not
+        answer meanwhile. A member that stays silent after the router runs again leaves as
+        usual, that much later. Returns the ids that left."""
+        now = self._clock()
+        last, self._last_sweep = self._last_sweep, now
+        lost = 0.0 if last is None else now - last - period
+        if lost > period and self._members:
+            log.warning("the router did not run for %.1f s: its members' silence meanwhile is not counted", lost)
+            for member_id, m in list(self._members.items()):
+                self._members[member_id] = replace(m, last_seen=min(now, m.last_seen + lost))
+        return self.expire()
+
     async def run_expiry(self) -> None:
         """The expiry task: checks often enough that a member leaves within ~1.25 x expiry_s."""
         period = min(self.heartbeat_interval_s, self.expiry_s / 4)
         while True:
             await asyncio.sleep(period)
-            self.expire()
+            self.sweep(period)
