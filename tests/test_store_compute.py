@@ -178,6 +178,51 @@ def test_the_store_and_the_engine_run_one_loop_with_one_accounting(tmp_path: Pat
             core.close()
 
 
+def test_a_roomy_tier_runs_whole_moe_layers_in_one_call(tmp_path: Path) -> None:
+    """TieredExperts.resident_table: where the tier never evicts and holds every expert of a layer,
+    MoeBlock.block runs the layer in one kernel call (FastOps.moe_block) with the logits of the
+    tier's own loop, and the calls are counted as the loop counts them (calls, rows, hits, the
+    tier's hits). A tier that may evict makes no table; nor does one still missing an expert."""
+    from moetier.engine import load_dense
+    from moetier.model.forward import Model
+
+    model = synth.write_container("tiny-qwen3_moe", tmp_path / "tiny", 0)
+    rng = np.random.default_rng(4)
+    with Container.open(model) as c:
+        args, dense = c.args, load_dense(c)
+        ids = rng.integers(0, args.vocab_size, 12)
+        ops = FastOps(threads=2)
+        fused = {"n": 0}
+        real = ops.moe_block
+
+        def counted(*a: Any) -> Any:
+            fused["n"] += 1
+            return real(*a)
+
+        ops.moe_block = counted  # type: ignore[method-assign]
+        runs = []
+        for roomy in (True, False):
+            budget = c.index.total_bytes if roomy else c.index.total_bytes - 1
+            with TieredExperts.open(c, ops, TierConfig(budget_bytes=budget, policy="lru")) as ex:
+                layer = args.moe_layer_ids[0]
+                assert ex.resident_table(layer, ops, args.n_routed_experts) is None  # nothing read yet
+                ex.tier.preload()
+                m = Model(args, dense, ops, ex)
+                cache = m.new_cache()
+                logits = [m.step([(cache, ids[:6])])[0]] + [m.step([(cache, ids[i : i + 1])])[0] for i in range(6, 12)]
+                runs.append(np.stack(logits))
+                tables = [ex.resident_table(n, ops, args.n_routed_experts) for n in args.moe_layer_ids]
+                assert all(t is not None for t in tables) == roomy
+                assert ex.resident_table(layer, FastOps(threads=1), args.n_routed_experts) is None  # other kernels
+                totals, tier = ex.stats(), ex.tier.stats()
+                assert totals.calls == 7 * len(args.moe_layer_ids) and totals.rows == 12 * len(args.moe_layer_ids)
+                if roomy:  # every expert read at preload: each call's union a hit, in both counts
+                    assert totals.misses == 0 and totals.hits == sum(tier.hits.values()) > 0
+            assert fused["n"] == (7 * len(args.moe_layer_ids) if roomy else 0)
+            fused["n"] = 0
+        np.testing.assert_array_equal(runs[0].view(np.uint32), runs[1].view(np.uint32))
+
+
 # ---- the benchmark's view ----------------------------------------------------------------------
 def test_the_library_never_imports_a_service() -> None:
     """Services import the library, never the reverse (moetier/commands only to run one)."""

@@ -164,6 +164,17 @@ class TierCompute:
             s.compute_s += compute_ns / 1e9
         return ComputeResult(y, hits, misses, load_ns, compute_ns, len(job.waves), self.tier.settled())
 
+    def note(self, rows: int, hits: int, seconds: float) -> None:
+        """A one-wave call with every expert resident, computed elsewhere from the tier's
+        records (TieredExperts.resident_done): counted in the totals as `finish` counts one."""
+        with self._lock:
+            s = self.stats
+            s.calls += 1
+            s.rows += rows
+            s.waves += 1
+            s.hits += hits
+            s.compute_s += seconds
+
     def totals(self) -> ComputeStats:
         with self._lock:
             return ComputeStats(**vars(self.stats))

@@ -49,6 +49,7 @@ class TieredExperts:
         self.compute = TierCompute(tier, ops)
         self._last_layer = -1
         self._helper: ThreadPoolExecutor | None = None  # runs `moe_start` calls that wait for reads
+        self._tables: dict[tuple[int, int], Any] = {}  # (layer, experts) -> resident_table's table
 
     @classmethod
     def open(cls, container: Container, ops: Ops, config: TierConfig, **engine_options: Any) -> TieredExperts:
@@ -69,6 +70,35 @@ class TieredExperts:
         """x [T, D], ids/weights [T, K] -> [T, D]; in waves when the union exceeds the budget."""
         self._note_layer(layer)
         return self.compute.run(layer, x, ids, weights).output
+
+    def resident_table(self, layer: int, ops: Ops, n_experts: int) -> Any:
+        """Every expert of `layer` as one kernel-side table (FastOps.expert_table, for
+        MoeBlock.block) where the tier never evicts and holds all n_experts of it, and `ops` are
+        this provider's; None otherwise (the call goes through `moe`)."""
+        if ops is not self.ops:
+            return None
+        key = (layer, n_experts)
+        table = self._tables.get(key)
+        if table is not None:
+            return table
+        make = getattr(ops, "expert_table", None)
+        if make is None:
+            return None
+        values = self.tier.resident_values(layer, n_experts)
+        if not values:
+            return None
+        table = make(values, values[0].gate.shape[1])
+        if table is not None:
+            self._tables[key] = table  # a roomy tier never evicts: the table stays right
+        return table
+
+    def resident_done(self, layer: int, ids: I32, rows: int, seconds: float) -> None:
+        """A call computed from `resident_table`'s table, counted as the tier counts its calls
+        (hits, usage, the policy's record; the compute totals)."""
+        self._note_layer(layer)
+        union = np.unique(ids)
+        self.tier.note_shared(layer, union.astype(np.int64), np.ones(len(union), dtype=np.int64))
+        self.compute.note(rows, len(union), seconds)
 
     def moe_start(self, layer: int, x: F32, ids: I32, weights: F32) -> _Pending | DoneCall:
         """`moe` under way (see the module docstring); `result()` gives its output."""
@@ -95,6 +125,7 @@ class TieredExperts:
         self.tier.prefetch(layer, ids)
 
     def close(self) -> None:
+        self._tables = {}
         if self._helper is not None:
             self._helper.shutdown(wait=True)
         self.tier.close()

@@ -527,6 +527,21 @@ class ExpertTier:
         """The shared memory of `share`, once shared."""
         return self._shared
 
+    def resident_values(self, layer: int, n: int) -> list[Any] | None:
+        """The parsed records of experts 0..n-1 of `layer` where the tier never evicts and every one
+        is resident (each then stays so until the tier closes); None otherwise. Not a use: count
+        the calls computed from them with `note_shared`."""
+        with self._cond:
+            if self._closed or not self._roomy:
+                return None
+            out = []
+            for i in range(n):
+                e = self._entries.get((int(layer), i))
+                if e is None or e.loading or e.value is None:
+                    return None
+                out.append(e.value)
+            return out
+
     def note_shared(self, layer: int, experts: npt.NDArray[np.int64], calls: npt.NDArray[np.int64]) -> None:
         """Count calls of `layer` that another process computed from the shared records as this
         tier's own: `calls[i]` calls held expert `experts[i]` in their union (hits, usage, the
