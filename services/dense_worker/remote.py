@@ -344,35 +344,66 @@ class RemoteExperts:
                 return None  # the gRPC path makes the call and says what is wrong
         return self._lane
 
+    def _sharing_lane(self) -> LocalClient | None:
+        """The lane of a store that shares its experts with this worker, checked alive as every
+        call checks it; None otherwise (or where the store is gone): the call goes to the store."""
+        lane = self._connected_lane() if self.shared is not None else None
+        if lane is None or lane.shared is None:
+            return None
+        if not lane.alive():  # the store ended: its calls fail (or reconnect) the usual way
+            self._lane_failed(lane)
+            return None
+        return lane
+
+    def _shared_weights(self, lane: LocalClient, layer: int, e: int) -> ExpertWeights | None:
+        """Expert e of `layer` parsed from the lane's shared records (once), None where it is not
+        shared."""
+        w = self._weights.get((layer, e))
+        if w is None:
+            view, shared = lane.shared, self.shared
+            if view is None or shared is None or (layer, e) not in view.where:
+                return None
+            w = self._weights[(layer, e)] = shared.parse(view.record(layer, e))
+        return w
+
+    @staticmethod
+    def _union_counts(routed: I32) -> tuple[list[int], list[int]]:
+        """The experts a call's slots are routed to, ascending, and the slots of each."""
+        if routed.size <= 16:  # a decode step's few slots: plain Python is quicker than np.unique
+            flat = routed.reshape(-1).tolist()
+            union = sorted(set(flat))
+            return union, [flat.count(e) for e in union]
+        union_a, counts_a = np.unique(routed, return_counts=True)
+        return union_a.tolist(), counts_a.tolist()
+
+    def _count_shared(self, layer: int, union: list[int], counts: list[int], rows: int, seconds: float) -> None:
+        """A call of `layer` computed here from the shared experts (`_union_counts` of its slots):
+        counted for the store (its usage report), in the stats and in the "expert" phase."""
+        if self.clock is not None:
+            self.clock.add("expert", seconds)
+        self.settled = True  # every expert resident, never evicted: hints cannot help
+        self.stats.shared_calls += 1
+        self.stats.rows += rows
+        self.stats.store_hits += len(union)
+        self._usage.add(layer, union, counts, rows)
+
     def _shared_compute(self, layer: int, x: F32, ids: I32, weights: F32, slot_outputs: bool = False) -> F32 | None:
         """The call computed here from the store's shared experts, as the store computes it
         (moetier.store.compute: one `expert_outputs` into a [T, K, D] buffer, then the k-ordered
         combine, or the slots themselves), so the same bits; None where the lane shares none of
         them (or not all), or is gone: the call goes to the store."""
         shared = self.shared
-        lane = self._connected_lane() if shared is not None else None
-        if lane is None or lane.shared is None or shared is None:
-            return None
-        if not lane.alive():  # the store ended: its calls fail (or reconnect) the usual way
-            self._lane_failed(lane)
+        lane = self._sharing_lane()
+        if lane is None or shared is None:
             return None
         t0 = time.perf_counter()
         ids = np.ascontiguousarray(ids, dtype=np.int32)
-        routed = ids[ids >= 0] if slot_outputs else ids
-        if routed.size <= 16:  # a decode step's few slots: plain Python is quicker than np.unique
-            flat = routed.reshape(-1).tolist()
-            union = sorted(set(flat))
-            counts = [flat.count(e) for e in union]
-        else:
-            union_a, counts_a = np.unique(routed, return_counts=True)
-            union, counts = union_a.tolist(), counts_a.tolist()
+        union, counts = self._union_counts(ids[ids >= 0] if slot_outputs else ids)
         experts = {}
         for e in union:
-            w = self._weights.get((layer, e))
+            w = self._shared_weights(lane, layer, e)
             if w is None:
-                if (layer, e) not in lane.shared.where:
-                    return None
-                w = self._weights[(layer, e)] = shared.parse(lane.shared.record(layer, e))
+                return None
             experts[e] = w
         x = np.ascontiguousarray(x, dtype=np.float32)
         weights = np.ascontiguousarray(weights, dtype=np.float32)
@@ -382,13 +413,7 @@ class RemoteExperts:
             slots = np.zeros((*ids.shape, x.shape[1]), dtype=np.float32)  # [T, K, D]
             shared.ops.expert_outputs(x, ids, experts, slots)
             y = slots[ids >= 0] if slot_outputs else combine_slots(slots, weights)
-        if self.clock is not None:
-            self.clock.add("expert", time.perf_counter() - t0)
-        self.settled = True  # every expert resident, never evicted: hints cannot help
-        self.stats.shared_calls += 1
-        self.stats.rows += len(x)
-        self.stats.store_hits += len(experts)
-        self._usage.add(layer, union, counts, len(x))
+        self._count_shared(layer, union, counts, len(x), time.perf_counter() - t0)
         return y
 
     def resident_table(self, layer: int, ops: Ops, n_experts: int) -> ExpertTable | None:
@@ -396,41 +421,27 @@ class RemoteExperts:
         shares all n_experts of it over the lane and `ops` are this worker's kernels: MoeBlock.block
         then computes the layer here in one call, as `_shared_compute` would (the same bits). None
         otherwise, or where the store is gone (checked every call, as every call does)."""
-        shared = self.shared
-        lane = self._connected_lane() if shared is not None else None
-        if lane is None or lane.shared is None or shared is None or ops is not shared.ops:
+        if self.shared is None or ops is not self.shared.ops:
             return None
-        if not lane.alive():  # the store ended: the call goes the usual way (and fails or reconnects)
-            self._lane_failed(lane)
+        lane = self._sharing_lane()
+        if lane is None:
             return None
         key = (layer, n_experts)
         if key in self._tables:
             return self._tables[key]
-        table, where = None, lane.shared.where
+        table = None
         make = getattr(ops, "expert_table", None)
-        if make is not None and all((layer, e) in where for e in range(n_experts)):
-            experts = []
-            for e in range(n_experts):
-                w = self._weights.get((layer, e))
-                if w is None:
-                    w = self._weights[(layer, e)] = shared.parse(lane.shared.record(layer, e))
-                experts.append(w)
-            table = make(experts, experts[0].gate.shape[1]) if experts else None
+        if make is not None:
+            experts = [w for e in range(n_experts) if (w := self._shared_weights(lane, layer, e)) is not None]
+            if experts and len(experts) == n_experts:
+                table = make(experts, experts[0].gate.shape[1])
         self._tables[key] = table
         return table
 
     def resident_done(self, layer: int, ids: I32, rows: int, seconds: float) -> None:
         """A call of `layer` computed from `resident_table`'s table: counted as `_shared_compute`
         counts its calls (its norm and router included in the "expert" phase)."""
-        if self.clock is not None:
-            self.clock.add("expert", seconds)
-        flat = ids.reshape(-1).tolist()
-        union = sorted(set(flat))
-        self.settled = True
-        self.stats.shared_calls += 1
-        self.stats.rows += rows
-        self.stats.store_hits += len(union)
-        self._usage.add(layer, union, [flat.count(e) for e in union], rows)
+        self._count_shared(layer, *self._union_counts(ids), rows, seconds)
 
     def flush_usage(self, force: bool = False) -> None:
         """Report the calls computed from the shared experts to the store, at most every

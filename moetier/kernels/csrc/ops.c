@@ -1040,7 +1040,7 @@ int mt_moe_block(const mt_isa *isa, int nthreads, const mt_moe *a) {
         n++;
     }
     for (int64_t i = 0; i < n; i++) memcpy(&w[3 * i], &a->w[3 * eid[i]], 3 * sizeof(qmat));
-    memset(slots, 0, (size_t)(T * K * D) * 4);
+    /* every slot's expert is in the union: mt_experts_run writes all of them (no zeroing needed) */
     if (mt_experts_run(isa, nthreads, h, T, D, ids, K, n, eid, w, a->q8, slots, a->weights, mixed) < 0) goto done;
     for (int64_t i = 0; i < T * D; i++) a->out[i] = a->x[i] + mixed[i];
     rc = 0;
